@@ -1,0 +1,73 @@
+"""kvgym's registered attention function: reads device blocks only and updates block statistics.
+
+``PagedKVCache.update`` puts itself into the attention kwargs (``paged_cache``), so this function knows
+which cache it serves. Without a paged cache (e.g. a ``DynamicCache`` reference run on the same model) it
+is plain SDPA.
+
+- Decode (one query): attention is computed explicitly (``softmax(q·Kᵀ·s)·V`` per KV-head group), so the
+  attention probabilities used for the statistics come for free.
+- Multi-token forwards (prefill chunks): SDPA computes the output with a causal mask built from the
+  layer's own resident length (layers may hold different blocks, so the model-wide mask does not fit
+  them all); statistics come from the last ``stats_window`` queries.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+PAGED_ATTENTION = "kvgym_paged"
+
+
+def register_paged_attention() -> None:
+    """Register the attention function and its mask under ``PAGED_ATTENTION`` (idempotent)."""
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
+    AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
+
+
+def _grouped_probs(query: torch.Tensor, key: torch.Tensor, scaling: float,
+                   allowed: torch.Tensor | None) -> torch.Tensor:
+    """Attention probabilities ``[kv_heads, group * q, kv]`` (fp32) of ``query`` ``[1, heads, q, dim]``."""
+    _, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query[0].reshape(kv_heads, (heads // kv_heads) * q_len, dim)
+    scores = torch.matmul(grouped, key[0].transpose(-1, -2)).float() * scaling
+    if allowed is not None:  # [q, kv] bool, same for every head
+        mask = allowed.repeat(heads // kv_heads, 1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """``[q, kv]`` bool: the q new tokens are the last q keys; each sees every earlier key and itself."""
+    past = kv_len - q_len
+    return torch.arange(kv_len, device=device)[None, :] <= past + torch.arange(q_len, device=device)[:, None]
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, paged_cache=None, **kwargs):
+    if paged_cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer = module.layer_idx
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    _, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if q_len == 1:
+        probs = _grouped_probs(query, key, scaling, None)
+        output = torch.matmul(probs.to(value.dtype), value[0])  # [kv_heads, group, dim]
+        output = output.reshape(1, 1, heads, dim)
+        stats_probs = probs
+        num_queries = 1
+    else:
+        mask = None if kv_len == q_len else causal_mask(q_len, kv_len, query.device)[None, None]
+        output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
+        window = min(q_len, paged_cache.config.stats_window)
+        allowed = causal_mask(q_len, kv_len, query.device)[-window:]
+        stats_probs = _grouped_probs(query[:, :, -window:], key, scaling, allowed)
+        num_queries = window
+    token_mass = stats_probs.sum(dim=(0, 1)).cpu() * (1.0 / (heads // kv_heads * kv_heads))
+    paged_cache.record_attention(layer, token_mass, num_queries)
+    return output, None

@@ -1,0 +1,334 @@
+"""The paged KV cache as a transformers ``Cache``: per-layer block tables over tiered block pools.
+
+Contract with transformers (see DESIGN.md): keys arrive after RoPE, so a kept block keeps its true
+positions; ``get_seq_length()`` is the number of tokens *seen* (logical length), and
+``get_mask_sizes(q)`` is ``(resident + q, seen - resident)``. With that, the model's default
+``position_ids`` and ``generate()``'s growing attention mask stay right after blocks leave the device.
+
+Reading: attention reads a contiguous per-layer *resident mirror* ``[1, kv_heads, capacity, head_dim]``
+that holds the device-resident tokens in logical order. New tokens are appended to it in place; it is
+rebuilt from the device pool only when the layer's table changes (an eviction, a prefetch). This is the
+cheapest of the strategies measured in ``research/paged-cache.md`` (DynamicCache ``torch.cat``s its whole
+cache every step; the mirror does not), at the price of a second copy of the resident KV.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from cache.block_table import BlockTables
+from cache.stats import BlockStats
+from cache.tiers import Tier, TierPool
+
+
+class CacheOperationError(ValueError):
+    """An operation that the cache refuses (pinned block, wrong tier, no room); the cache is unchanged."""
+
+
+@dataclass
+class CacheConfig:
+    """Shape and policy knobs of a ``PagedKVCache``.
+
+    - ``block_size``: tokens per block.
+    - ``max_tokens``: logical capacity (default: the model's ``max_position_embeddings``).
+    - ``device_blocks``: device pool capacity per layer (default: enough for ``max_tokens``).
+    - ``host_blocks``: host pool capacity per layer; 0 turns offload off (evicted blocks are dropped).
+    - ``sink_blocks``: leading blocks that are pinned on the device (the attention sink).
+    - ``stats_window``: for a multi-token forward (prefill), attention statistics come from its last
+      ``stats_window`` queries (SnapKV's observation window); a decode step always contributes its query.
+    - ``recent_decay``, ``attended_share``: see ``BlockStats``.
+    """
+
+    block_size: int = 16
+    max_tokens: int | None = None
+    device_blocks: int | None = None
+    host_blocks: int = 0
+    sink_blocks: int = 1
+    stats_window: int = 64
+    recent_decay: float = 0.9
+    attended_share: float = 1.0
+
+    def __post_init__(self):
+        for name in ("block_size", "sink_blocks", "stats_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CacheConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_blocks < 0:
+            raise ValueError(f"CacheConfig.host_blocks must be >= 0, got {self.host_blocks}")
+
+
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer's view of the paged cache; all state lives in the parent ``PagedKVCache``."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: PagedKVCache, layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.resident = 0  # tokens in the resident mirror
+        self.mirror_stale = False
+        self.mirror_keys: torch.Tensor | None = None
+        self.mirror_values: torch.Tensor | None = None
+        self.mirror_blocks: torch.Tensor | None = None  # logical block of each mirror slot
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, kv_heads, _, head_dim = key_states.shape
+        self.cache._init_pools(self.layer_idx, kv_heads, head_dim, key_states.dtype, key_states.device)
+        capacity = self.cache.device_pool(self.layer_idx).num_blocks * self.cache.block_size
+        shape = (1, kv_heads, capacity, head_dim)
+        self.mirror_keys = torch.empty(shape, dtype=key_states.dtype, device=key_states.device)
+        self.mirror_values = torch.empty(shape, dtype=value_states.dtype, device=value_states.device)
+        self.mirror_blocks = torch.empty(capacity, dtype=torch.int64)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise ValueError(f"PagedKVCache supports batch size 1, got a batch of {key_states.shape[0]}")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cache, layer = self.cache, self.layer_idx
+        num_new = key_states.shape[-2]
+        pool = cache.device_pool(layer)
+        slots, logical = cache.tables.append(layer, num_new, pool.allocator)
+        new_keys = key_states[0].transpose(0, 1)  # [num_new, kv_heads, head_dim]
+        new_values = value_states[0].transpose(0, 1)
+        pool.flat_keys().index_copy_(0, slots.to(pool.keys.device), new_keys)
+        pool.flat_values().index_copy_(0, slots.to(pool.values.device), new_values)
+        cache.stats.record_keys(layer, logical, new_keys)
+
+        previous = self.resident
+        if self.mirror_stale:
+            self._rebuild_mirror()
+        else:
+            end = previous + num_new
+            self.mirror_keys[:, :, previous:end] = key_states
+            self.mirror_values[:, :, previous:end] = value_states
+            self.mirror_blocks[previous:end] = logical
+            self.resident = end
+        cache._count_read(layer, self.resident)
+        if previous == 0 and self.resident == num_new:
+            return key_states, value_states  # a fresh prefill reads nothing back
+        return self.mirror_keys[:, :, : self.resident], self.mirror_values[:, :, : self.resident]
+
+    def _rebuild_mirror(self) -> None:
+        """Gather the device-resident tokens, in logical order, from the pool into the mirror."""
+        pool = self.cache.device_pool(self.layer_idx)
+        slots, blocks = self.cache.tables.resident_slots(self.layer_idx)
+        slots = slots.to(pool.keys.device)
+        count = slots.numel()
+        self.mirror_keys[0, :, :count] = pool.flat_keys().index_select(0, slots).transpose(0, 1)
+        self.mirror_values[0, :, :count] = pool.flat_values().index_select(0, slots).transpose(0, 1)
+        self.mirror_blocks[:count] = blocks
+        self.resident = count
+        self.mirror_stale = False
+
+    def resident_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attended keys/values ``[1, kv_heads, resident, head_dim]`` (after pending table changes)."""
+        if self.mirror_stale:
+            self._rebuild_mirror()
+        return self.mirror_keys[:, :, : self.resident], self.mirror_values[:, :, : self.resident]
+
+    def get_seq_length(self) -> int:
+        return self.cache.tables.seen[self.layer_idx]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        resident = self.cache.tables.resident_tokens(self.layer_idx) if self.mirror_stale else self.resident
+        return resident + query_length, self.get_seq_length() - resident
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.resident = 0
+        self.mirror_stale = False
+
+
+class PagedKVCache(Cache):
+    """A paged, tiered KV cache for one sequence, usable as ``cache=`` in ``model(...)`` and ``generate``.
+
+    Tiers: ``device`` (attended) and ``host`` (offloaded; not attended). Operations act on
+    ``(layer, logical block)``: ``evict`` moves a device block to the host tier when it has room, else
+    drops it; ``prefetch`` brings a host block back. The sink block(s) and the newest block are pinned.
+    Every attention call's bytes read and every operation's bytes moved are counted.
+    """
+
+    def __init__(self, model_config, cache_config: CacheConfig | None = None):
+        self.config = cache_config or CacheConfig()
+        self.block_size = self.config.block_size
+        text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        self.num_layers = text_config.num_hidden_layers
+        self.max_tokens = self.config.max_tokens or text_config.max_position_embeddings
+        self.max_blocks = -(-self.max_tokens // self.block_size)
+        self.device_blocks = self.config.device_blocks or self.max_blocks + 1
+        self.tables = BlockTables(self.num_layers, self.max_blocks, self.block_size)
+        self.stats = BlockStats(self.num_layers, self.max_blocks, self.config.recent_decay,
+                                self.config.attended_share)
+        self.pools: list[dict[Tier, TierPool]] = [{} for _ in range(self.num_layers)]
+        self.bytes_per_token = 0  # K + V bytes of one token in one layer, known after the first write
+        self.bytes_read = [0] * self.num_layers  # by attention, cumulative
+        self.last_bytes_read = [0] * self.num_layers  # by the layer's latest attention call
+        self.attention_calls = [0] * self.num_layers
+        self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
+        self.operation_log: list[dict] = []
+        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+
+    # ----------------------------------------------------------------- transformers plumbing
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        attention_kwargs = kwargs.get("kwargs")
+        if isinstance(attention_kwargs, dict):
+            attention_kwargs["paged_cache"] = self  # reaches the paged attention function
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def _init_pools(self, layer: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        pools = {Tier.DEVICE: TierPool(Tier.DEVICE, self.device_blocks, self.block_size, kv_heads, head_dim,
+                                       dtype, device)}
+        if self.config.host_blocks:
+            pools[Tier.HOST] = TierPool(Tier.HOST, self.config.host_blocks, self.block_size, kv_heads, head_dim,
+                                        dtype, "cpu")
+        self.pools[layer] = pools
+        self.bytes_per_token = 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def device_pool(self, layer: int) -> TierPool:
+        return self.pools[layer][Tier.DEVICE]
+
+    def record_attention(self, layer: int, token_mass: torch.Tensor, num_queries: int) -> None:
+        """Fold one attention call's per-token mass (over the resident mirror) into the block statistics."""
+        slot_blocks = self.layers[layer].mirror_blocks[: token_mass.numel()]
+        block_mass = torch.zeros(self.max_blocks).index_add_(0, slot_blocks, token_mass)
+        self.stats.record_attention(layer, block_mass, num_queries, self.tables.count_in(layer, Tier.DEVICE),
+                                    self.tables.seen[layer])
+
+    def _count_read(self, layer: int, resident: int) -> None:
+        read = resident * self.bytes_per_token
+        self.bytes_read[layer] += read
+        self.last_bytes_read[layer] = read
+        self.attention_calls[layer] += 1
+
+    # ----------------------------------------------------------------- state
+    @property
+    def seen(self) -> int:
+        """Tokens seen by the cache (its logical length)."""
+        return self.tables.seen[0]
+
+    def num_logical_blocks(self, layer: int = 0) -> int:
+        return self.tables.num_logical(layer)
+
+    def pinned_mask(self, layer: int) -> torch.Tensor:
+        """Bool ``[num_logical]``: the sink block(s) and the newest block."""
+        n = self.tables.num_logical(layer)
+        pinned = torch.zeros(n, dtype=torch.bool)
+        pinned[: self.config.sink_blocks] = True
+        if n:
+            pinned[n - 1] = True
+        return pinned
+
+    def is_pinned(self, layer: int, block: int) -> bool:
+        n = self.tables.num_logical(layer)
+        return block < self.config.sink_blocks or block == n - 1
+
+    def blocks_per_tier(self) -> dict[str, list[int]]:
+        """Per tier name, the number of blocks of each layer in it (dropped included)."""
+        return {tier.name.lower(): [self.tables.count_in(layer, tier) for layer in range(self.num_layers)]
+                for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.DROPPED)}
+
+    def resident_tokens(self, layer: int) -> int:
+        return self.tables.resident_tokens(layer)
+
+    def resident_keys_values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer].resident_keys_values()
+
+    # ----------------------------------------------------------------- operations
+    def _check_block(self, layer: int, block: int, operation: str) -> Tier:
+        if not 0 <= layer < self.num_layers:
+            raise CacheOperationError(f"{operation}: layer {layer} is out of range 0..{self.num_layers - 1}")
+        n = self.tables.num_logical(layer)
+        if not 0 <= block < n:
+            raise CacheOperationError(f"{operation}: block {block} of layer {layer} is out of range 0..{n - 1}")
+        return Tier(int(self.tables.tier[layer, block]))
+
+    def evict(self, layer: int, block: int) -> Tier:
+        """Move a device block to the host tier if it has room, else drop it; returns where it went."""
+        tier = self._check_block(layer, block, "evict")
+        if tier != Tier.DEVICE:
+            raise CacheOperationError(f"evict: block {block} of layer {layer} is not on the device (it is {tier.name})")
+        if self.is_pinned(layer, block):
+            raise CacheOperationError(f"evict: block {block} of layer {layer} is pinned (sink or newest block)")
+        device = self.device_pool(layer)
+        source = int(self.tables.physical[layer, block])
+        host = self.pools[layer].get(Tier.HOST)
+        if host is not None and host.allocator.num_free:
+            target = host.allocator.allocate()
+            host.keys[target].copy_(device.keys[source], non_blocking=True)
+            host.values[target].copy_(device.values[source], non_blocking=True)
+            self.tables.move(layer, block, Tier.HOST, target)
+            self.bytes_moved[("device", "host")] += device.bytes_per_block
+            destination = Tier.HOST
+        else:
+            self.tables.move(layer, block, Tier.DROPPED)
+            destination = Tier.DROPPED
+        device.allocator.free(source)
+        self.layers[layer].mirror_stale = True
+        self._log("evict", layer, block, destination)
+        return destination
+
+    def prefetch(self, layer: int, block: int) -> None:
+        """Bring a host block back to the device (bit-exact copy)."""
+        tier = self._check_block(layer, block, "prefetch")
+        if tier != Tier.HOST:
+            raise CacheOperationError(
+                f"prefetch: block {block} of layer {layer} is {tier.name}; only HOST blocks can be prefetched"
+            )
+        device = self.device_pool(layer)
+        if not device.allocator.num_free:
+            raise CacheOperationError(f"prefetch: the device pool of layer {layer} is full; evict a block first")
+        host = self.pools[layer][Tier.HOST]
+        source = int(self.tables.physical[layer, block])
+        target = device.allocator.allocate()
+        device.keys[target].copy_(host.keys[source], non_blocking=True)
+        device.values[target].copy_(host.values[source], non_blocking=True)
+        host.allocator.free(source)
+        self.tables.move(layer, block, Tier.DEVICE, target)
+        self.bytes_moved[("host", "device")] += device.bytes_per_block
+        self.layers[layer].mirror_stale = True
+        self._log("prefetch", layer, block, Tier.DEVICE)
+
+    def _log(self, operation: str, layer: int, block: int, destination: Tier) -> None:
+        self.operation_log.append({"op": operation, "layer": layer, "block": block, "to": destination.name.lower(),
+                                   "seen": self.tables.seen[layer]})
+
+    def enforce_budget(self, budget_blocks: list[int], rule: str = "lowest_mass") -> int:
+        """Evict until every layer has at most ``budget_blocks[layer]`` device blocks; returns evictions made.
+
+        ``rule`` picks the victim among unpinned device blocks: ``lowest_mass`` (lowest accumulated
+        attention mass, ties to the oldest) or ``oldest``.
+        """
+        if rule not in ("lowest_mass", "oldest"):
+            raise ValueError(f"unknown fallback rule {rule!r}: use 'lowest_mass' or 'oldest'")
+        evictions = 0
+        for layer in range(self.num_layers):
+            excess = self.tables.count_in(layer, Tier.DEVICE) - budget_blocks[layer]
+            if excess <= 0:
+                continue
+            candidates = self.tables.blocks_in(layer, Tier.DEVICE)
+            candidates = candidates[~self.pinned_mask(layer)[candidates]]
+            if rule == "lowest_mass":
+                # stable sort keeps ascending block order among equal masses: oldest first
+                order = torch.sort(self.stats.acc_mass[layer, candidates], stable=True).indices
+                candidates = candidates[order]
+            for block in candidates[:excess].tolist():
+                self.evict(layer, block)
+                evictions += 1
+        return evictions
+
+    def bytes_summary(self) -> dict:
+        return {
+            "bytes_read_total": sum(self.bytes_read),
+            "bytes_read_last_call": sum(self.last_bytes_read),
+            "bytes_moved": {f"{a}->{b}": n for (a, b), n in self.bytes_moved.items()},
+        }
