@@ -158,6 +158,8 @@ class PagedKVCache(Cache):
     Every attention call's bytes read and every operation's bytes moved are counted.
     """
 
+    layer_class = PagedLayer
+
     def __init__(self, model_config, cache_config: CacheConfig | None = None):
         self.config = cache_config or CacheConfig()
         self.block_size = self.config.block_size
@@ -176,7 +178,7 @@ class PagedKVCache(Cache):
         self.attention_calls = [0] * self.num_layers
         self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
         self.operation_log: list[dict] = []
-        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+        super().__init__(layers=[self.layer_class(self, i) for i in range(self.num_layers)])
 
     # ----------------------------------------------------------------- transformers plumbing
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

@@ -1,0 +1,173 @@
+"""The ``kvgym`` command line: the only place that imports every part of the project.
+
+Subcommands:
+  kvgym setup                      fetch and convert the default model (idempotent)
+  kvgym generate [options]         run a prompt through the paged cache and print the text and cache state
+  kvgym bench cache [options]      decode/prefill speed of the paged cache vs DynamicCache (JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+BUNDLED_PROMPT = "alice_chapter1.txt"
+
+
+def bundled_prompt() -> str:
+    return resources.files("kvgym").joinpath("prompts", BUNDLED_PROMPT).read_text()
+
+
+def parse_budget(text: str | None):
+    """``0.25`` → fraction of the run's tokens; ``64`` → blocks per layer; ``none``/``full`` → no budget."""
+    if text is None or text.lower() in ("none", "full"):
+        return None
+    try:
+        return float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--budget {text!r}: use a fraction like 0.25, a block count like 64, or 'full'"
+        ) from None
+
+
+def parse_int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers like 512,2048") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    return values
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    from cache.models import DEFAULT_MODEL, MODEL_ALIASES
+
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"alias ({', '.join(sorted(MODEL_ALIASES))}), local checkpoint folder, or hub id")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgym", description="KV-cache policies on a live, paged KV cache.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    setup = commands.add_parser("setup", help="fetch and convert the default model (SmolLM2-135M-Instruct)")
+    setup.add_argument("--rebuild", action="store_true", help="convert again even if a valid copy exists")
+
+    generate = commands.add_parser("generate", help="run a prompt through the paged cache")
+    _add_model_args(generate)
+    source = generate.add_mutually_exclusive_group()
+    source.add_argument("--prompt-file", type=Path, help=f"text file with the prompt (default: bundled {BUNDLED_PROMPT})")
+    source.add_argument("--prompt", help="the prompt text itself")
+    generate.add_argument("--budget", type=parse_budget, default=None,
+                          help="device budget: fraction of the run's tokens (0.25), blocks per layer (64), or 'full'")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--block-size", type=int, default=16)
+    generate.add_argument("--host-blocks", type=int, default=0, help="host-tier blocks per layer (0: evicted blocks are dropped)")
+    generate.add_argument("--prefill-chunk", type=int, default=64)
+    generate.add_argument("--decide-every", type=int, default=8, help="decode steps between controller decisions")
+    generate.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    generate.add_argument("--temperature", type=float, default=1.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
+    generate.add_argument("--json", type=Path, help="also write the run's summary as JSON here")
+
+    bench = commands.add_parser("bench", help="benchmarks (write JSON)")
+    bench_kinds = bench.add_subparsers(dest="bench", required=True)
+    bench_cache = bench_kinds.add_parser("cache", help="decode ms/token and prefill time: paged vs DynamicCache")
+    _add_model_args(bench_cache)
+    bench_cache.add_argument("--contexts", type=parse_int_list, default=[512, 2048, 4096])
+    bench_cache.add_argument("--decode-steps", type=int, default=16)
+    bench_cache.add_argument("--json", type=Path, required=True, help="where to write the results")
+    return parser
+
+
+def cmd_setup(args) -> int:
+    from cache.models import ensure_smollm2
+
+    path = ensure_smollm2(rebuild=args.rebuild)
+    print(f"default model ready: {path}")
+    return 0
+
+
+def _prompt_ids(loaded, text: str, chat: bool) -> list[int]:
+    tokenizer = loaded.tokenizer
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    return tokenizer(text).input_ids
+
+
+def cmd_generate(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from cache.models import load_model
+    from cache.paged_cache import CacheConfig
+    from cache.runner import Runner
+
+    text = args.prompt if args.prompt is not None else (
+        args.prompt_file.read_text() if args.prompt_file else bundled_prompt())
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    ids = _prompt_ids(loaded, text, chat=not args.no_chat)
+    runner = Runner(loaded.model, loaded.tokenizer,
+                    CacheConfig(block_size=args.block_size, host_blocks=args.host_blocks),
+                    budget=args.budget, prefill_chunk=args.prefill_chunk, decide_every=args.decide_every)
+    result = runner.run(ids, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    console = Console()
+    console.print(f"[bold]model[/] {loaded.name}  [bold]prompt[/] {result.prompt_tokens} tokens  "
+                  f"[bold]budget[/] {args.budget if args.budget is not None else 'full'}"
+                  + (f" = {result.budget_blocks[0]} blocks/layer" if result.budget_blocks else ""))
+    console.print("[bold]output:[/]")
+    print(result.text)
+    table = Table(title="cache state after the run (all layers)")
+    for column in ("tier", "blocks (sum)", "per layer min..max"):
+        table.add_column(column)
+    for tier, counts in result.blocks_per_tier.items():
+        table.add_row(tier, str(sum(counts)), f"{min(counts)}..{max(counts)}")
+    console.print(table)
+    summary = result.summary()
+    console.print(f"bytes read by attention per decoded token: {summary['bytes_read_per_token']:,}  "
+                  f"(all layers)  bytes moved: {summary['bytes_moved'] or 0}")
+    console.print(f"prefill {summary['prefill_s']} s, decode {summary['decode_ms_per_token']} ms/token, "
+                  f"decisions {summary['decisions']}, operations {summary['operations']}, fallbacks {summary['fallbacks']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**summary, "text": result.text}, indent=2))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from cache.benchmark import bench_cache
+    from cache.models import load_model
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    report = bench_cache(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts,
+                         decode_steps=args.decode_steps, progress=lambda row: print(json.dumps(row), flush=True))
+    report["model"] = args.model
+    report["device"] = args.device
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench}
+    try:
+        return handlers[args.command](args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"kvgym {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

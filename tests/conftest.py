@@ -1,0 +1,47 @@
+"""Shared fixtures. The environment variables must be set before any Hugging Face import."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def make_tiny_llama(vocab_size: int = 256, seed: int = 0):
+    """A 2-layer random Llama with GQA (4 query heads, 2 KV heads), wired for paged attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cache.attention import PAGED_ATTENTION, register_paged_attention
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    model = LlamaForCausalLM(config).eval()
+    register_paged_attention()
+    model.set_attn_implementation(PAGED_ATTENTION)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model (converted on first use; `kvgym setup` does it ahead of time)."""
+    from cache.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def alice_text() -> str:
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parents[1] / "eval" / "data" / "alice29.txt").read_text()
