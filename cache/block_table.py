@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cache.allocator import BlockAllocator
+from cache.allocator import BlockAllocator, OutOfBlocksError
 from cache.tiers import Tier
 
 
@@ -63,6 +63,12 @@ class BlockTables:
         first_new_block = self.num_logical(layer)
         if start % bs and self.tier[layer, start // bs] != Tier.DEVICE:
             raise RuntimeError(f"layer {layer}: the partially filled newest block {start // bs} is not on the device")
+        needed = last_block + 1 - first_new_block
+        if needed > allocator.num_free:
+            raise OutOfBlocksError(
+                f"layer {layer}: {num_new} new tokens need {needed} free blocks, the device pool has "
+                f"{allocator.num_free}; raise CacheConfig.device_blocks or lower the budget"
+            )
         for block in range(first_new_block, last_block + 1):
             self.physical[layer, block] = allocator.allocate()
             self.tier[layer, block] = Tier.DEVICE

@@ -384,13 +384,7 @@ def test_reset_clears_everything():
         assert _ntok(t, layer) == [0] * 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: append is not atomic: an OutOfBlocksError part-way through leaks the blocks it already "
-    "allocated (ref count 1, owned by no table entry); a later append overwrites their physical ids",
-)
-def test_append_out_of_blocks_midway_leaks_allocated_blocks():
+def test_append_that_runs_out_of_blocks_changes_nothing():
     t = BlockTables(num_layers=1, max_blocks=8, block_size=BS)
     alloc = BlockAllocator(2)
     t.append(0, 4, alloc)  # logical 0 -> physical 0; free list [1]
@@ -485,7 +479,10 @@ def test_append_evict_interleavings_keep_invariants(ops):
                 continue
             needed = last + 1 - n_before
             if needed > len(m["queue"]):
-                continue  # would run out of device blocks part-way (see the xfail test above)
+                with pytest.raises(OutOfBlocksError):  # refused atomically: nothing changes
+                    t.append(layer, k, allocs[layer])
+                _check(t, allocs, model, appended)
+                continue
             slots, logical = t.append(layer, k, allocs[layer])
             for b in range(n_before, last + 1):
                 m["phys"][b] = m["queue"].pop(0)
