@@ -69,7 +69,7 @@ def converted_model_is_valid(folder: Path) -> bool:
         if weights.stat().st_size != manifest["weights_bytes"]:
             return False
         return _sha256(weights) == manifest["sha256"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
