@@ -32,18 +32,21 @@ def _grouped_probs(query: torch.Tensor, key: torch.Tensor, scaling: float,
     """Attention probabilities ``[kv_heads, group * q, kv]`` (fp32) of ``query`` ``[1, heads, q, dim]``."""
     _, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
-    grouped = query[0].reshape(kv_heads, (heads // kv_heads) * q_len, dim)
-    scores = torch.matmul(grouped, key[0].transpose(-1, -2)).float() * scaling
+    grouped = query[0].reshape(kv_heads, (heads // kv_heads) * q_len, dim) * scaling
+    scores = torch.matmul(grouped, key[0].transpose(-1, -2))
+    if scores.dtype != torch.float32:
+        scores = scores.float()
     if allowed is not None:  # [q, kv] bool, same for every head
-        mask = allowed.repeat(heads // kv_heads, 1)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~allowed.repeat(heads // kv_heads, 1), float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 
-def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
-    """``[q, kv]`` bool: the q new tokens are the last q keys; each sees every earlier key and itself."""
-    past = kv_len - q_len
-    return torch.arange(kv_len, device=device)[None, :] <= past + torch.arange(q_len, device=device)[:, None]
+def causal_mask(q_len: int, kv_len: int, device, last_rows: int | None = None) -> torch.Tensor:
+    """``[q, kv]`` bool (or its ``last_rows`` last rows): the q new tokens are the last q keys; each sees
+    every earlier key and itself."""
+    rows = q_len if last_rows is None else last_rows
+    first_visible_end = kv_len - rows  # the first of the returned rows sees keys 0..kv_len-rows
+    return torch.arange(kv_len, device=device)[None, :] <= first_visible_end + torch.arange(rows, device=device)[:, None]
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -54,20 +57,17 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout: 
     layer = module.layer_idx
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     _, heads, q_len, dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
+    kv_len = key.shape[2]
     if q_len == 1:
         probs = _grouped_probs(query, key, scaling, None)
-        output = torch.matmul(probs.to(value.dtype), value[0])  # [kv_heads, group, dim]
-        output = output.reshape(1, 1, heads, dim)
-        stats_probs = probs
-        num_queries = 1
+        output = torch.matmul(probs if probs.dtype == value.dtype else probs.to(value.dtype), value[0])
+        output = output.reshape(1, 1, heads, dim)  # [kv_heads, group, dim] -> [batch, q, heads, dim]
+        stats_probs, num_queries = probs, 1
     else:
         mask = None if kv_len == q_len else causal_mask(q_len, kv_len, query.device)[None, None]
         output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
         window = min(q_len, paged_cache.config.stats_window)
-        allowed = causal_mask(q_len, kv_len, query.device)[-window:]
-        stats_probs = _grouped_probs(query[:, :, -window:], key, scaling, allowed)
-        num_queries = window
-    token_mass = stats_probs.sum(dim=(0, 1)).cpu() * (1.0 / (heads // kv_heads * kv_heads))
-    paged_cache.record_attention(layer, token_mass, num_queries)
+        allowed = causal_mask(q_len, kv_len, query.device, last_rows=window)
+        stats_probs, num_queries = _grouped_probs(query[:, :, -window:], key, scaling, allowed), window
+    paged_cache.record_attention(layer, stats_probs.sum(dim=(0, 1)), num_queries, 1.0 / heads)
     return output, None

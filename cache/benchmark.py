@@ -36,7 +36,8 @@ def bench_cache(model, tokenizer, text: str, contexts: list[int], decode_steps: 
         ids = prose_token_ids(tokenizer, context, text).to(device)
         caches = {
             "dynamic": lambda: DynamicCache(config=model.config),
-            "paged": lambda: PagedKVCache(model.config, CacheConfig(max_tokens=context + decode_steps + 1)),
+            "paged": lambda capacity=context + decode_steps + 1: PagedKVCache(model.config,
+                                                                                CacheConfig(max_tokens=capacity)),
         }
         prefill = {name: [] for name in caches}
         live, next_token = {}, {}

@@ -35,6 +35,9 @@ class BlockTables:
         self.physical = torch.full((num_layers, max_blocks), -1, dtype=torch.int64)
         self.num_tokens = torch.zeros((num_layers, max_blocks), dtype=torch.int32)
         self.seen = [0] * num_layers
+        # Python mirrors of hot facts, so a decode step needs no tensor reads
+        self._device_count = [0] * num_layers
+        self._newest_physical = [-1] * num_layers  # physical id of the newest block while it is on the device
 
     def num_logical(self, layer: int) -> int:
         """Logical blocks in use by ``layer`` (including dropped ones)."""
@@ -49,36 +52,56 @@ class BlockTables:
 
         Returns ``(slots, logical_blocks)``: each new token's flat slot in the device pool
         (``physical * block_size + offset``) and its logical block id, both int64 ``[num_new]``.
+        All or nothing: when the pool lacks blocks, ``OutOfBlocksError`` is raised and nothing changes.
         """
         if num_new <= 0:
             raise ValueError(f"num_new must be positive, got {num_new}")
         bs = self.block_size
         start = self.seen[layer]
         end = start + num_new
+        first_new_block, last_block = self._reserve_blocks(layer, start, end, allocator)
+        positions = torch.arange(start, end, dtype=torch.int64)
+        logical = positions // bs
+        slots = self.physical[layer, logical] * bs + positions % bs
+        first_block = start // bs
+        counts = torch.bincount(logical - first_block, minlength=last_block - first_block + 1)
+        self.num_tokens[layer, first_block : last_block + 1] += counts.to(torch.int32)
+        self.seen[layer] = end
+        return slots, logical
+
+    def append_one(self, layer: int, allocator: BlockAllocator) -> tuple[int, int, int]:
+        """Fast path of ``append`` for one token (a decode step): returns ``(physical, offset, logical)``."""
+        start = self.seen[layer]
+        block, offset = divmod(start, self.block_size)
+        self._reserve_blocks(layer, start, start + 1, allocator)
+        self.num_tokens[layer, block] += 1
+        self.seen[layer] = start + 1
+        return self._newest_physical[layer], offset, block
+
+    def _reserve_blocks(self, layer: int, start: int, end: int, allocator: BlockAllocator) -> tuple[int, int]:
+        """Allocate the device blocks that tokens ``start..end-1`` need; returns (first new, last block)."""
+        bs = self.block_size
         last_block = (end - 1) // bs
         if last_block >= self.max_blocks:
             raise ValueError(
                 f"layer {layer}: {end} tokens exceed the table's capacity of {self.max_blocks * bs} tokens"
             )
-        first_new_block = self.num_logical(layer)
-        if start % bs and self.tier[layer, start // bs] != Tier.DEVICE:
+        first_new_block = -(-start // bs)
+        if start % bs and self._newest_physical[layer] < 0:
             raise RuntimeError(f"layer {layer}: the partially filled newest block {start // bs} is not on the device")
         needed = last_block + 1 - first_new_block
         if needed > allocator.num_free:
             raise OutOfBlocksError(
-                f"layer {layer}: {num_new} new tokens need {needed} free blocks, the device pool has "
+                f"layer {layer}: {end - start} new tokens need {needed} free blocks, the device pool has "
                 f"{allocator.num_free}; raise CacheConfig.device_blocks or lower the budget"
             )
-        for block in range(first_new_block, last_block + 1):
-            self.physical[layer, block] = allocator.allocate()
-            self.tier[layer, block] = Tier.DEVICE
-        positions = torch.arange(start, end, dtype=torch.int64)
-        logical = positions // bs
-        slots = self.physical[layer, logical] * bs + positions % bs
-        counts = torch.bincount(logical - logical[0], minlength=int(logical[-1] - logical[0]) + 1)
-        self.num_tokens[layer, int(logical[0]) : last_block + 1] += counts.to(torch.int32)
-        self.seen[layer] = end
-        return slots, logical
+        if needed:
+            ids = [allocator.allocate() for _ in range(needed)]
+            self.physical[layer, first_new_block : last_block + 1] = torch.tensor(ids, dtype=torch.int64)
+            self.tier[layer, first_new_block : last_block + 1] = int(Tier.DEVICE)
+            self._device_count[layer] += needed
+            self._newest_physical[layer] = ids[-1]
+        return first_new_block, last_block
 
     def blocks_in(self, layer: int, tier: Tier) -> torch.Tensor:
         """Logical ids of ``layer``'s blocks in ``tier``, ascending (int64)."""
@@ -86,6 +109,8 @@ class BlockTables:
         return torch.nonzero(self.tier[layer, :n] == tier).flatten()
 
     def count_in(self, layer: int, tier: Tier) -> int:
+        if tier == Tier.DEVICE:
+            return self._device_count[layer]
         n = self.num_logical(layer)
         return int((self.tier[layer, :n] == tier).sum())
 
@@ -106,6 +131,10 @@ class BlockTables:
 
     def move(self, layer: int, block: int, tier: Tier, physical: int = -1) -> None:
         """Record that ``layer``'s logical ``block`` now lives in ``tier`` at ``physical`` (-1 when dropped)."""
+        was_on_device = int(self.tier[layer, block]) == Tier.DEVICE
+        self._device_count[layer] += int(tier == Tier.DEVICE) - int(was_on_device)
+        if block == self.num_logical(layer) - 1:
+            self._newest_physical[layer] = physical if tier == Tier.DEVICE else -1
         self.tier[layer, block] = int(tier)
         self.physical[layer, block] = physical
 
@@ -114,3 +143,5 @@ class BlockTables:
         self.physical.fill_(-1)
         self.num_tokens.zero_()
         self.seen = [0] * self.num_layers
+        self._device_count = [0] * self.num_layers
+        self._newest_physical = [-1] * self.num_layers

@@ -82,6 +82,7 @@ class CacheView:
     @cached_property
     def mean_key(self) -> torch.Tensor | None:
         n = self.num_blocks
+        self.cache.refresh_key_stats()
         keys = self.cache.stats.mean_key(self.cache.tables.num_tokens[:, :n])
         return None if keys is None else keys[:, :n]
 

@@ -74,7 +74,8 @@ class PagedLayer(CacheLayerMixin):
         self.mirror_stale = False
         self.mirror_keys: torch.Tensor | None = None
         self.mirror_values: torch.Tensor | None = None
-        self.mirror_blocks: torch.Tensor | None = None  # logical block of each mirror slot
+        # each mirror slot's block as an index into the flattened [layers, max_blocks] statistics
+        self.mirror_blocks: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, kv_heads, _, head_dim = key_states.shape
@@ -95,14 +96,21 @@ class PagedLayer(CacheLayerMixin):
         cache, layer = self.cache, self.layer_idx
         num_new = key_states.shape[-2]
         pool = cache.device_pool(layer)
-        slots, logical = cache.tables.append(layer, num_new, pool.allocator)
-        new_keys = key_states[0].transpose(0, 1)  # [num_new, kv_heads, head_dim]
-        new_values = value_states[0].transpose(0, 1)
-        pool.flat_keys().index_copy_(0, slots.to(pool.keys.device), new_keys)
-        pool.flat_values().index_copy_(0, slots.to(pool.values.device), new_values)
-        cache.stats.record_keys(layer, logical, new_keys)
-
         previous = self.resident
+        if num_new == 1:  # decode step: Python-int fast path
+            physical, offset, block = cache.tables.append_one(layer, pool.allocator)
+            pool.keys[physical, offset] = key_states[0, :, 0]
+            pool.values[physical, offset] = value_states[0, :, 0]
+            if offset == 0 and block > 0:  # the previous block just became full: summarise its keys
+                cache.summarize_keys(layer, torch.tensor([block - 1]))
+            logical = block + layer * cache.max_blocks
+        else:
+            slots, logical = cache.tables.append(layer, num_new, pool.allocator)
+            pool.flat_keys().index_copy_(0, slots.to(pool.keys.device), key_states[0].transpose(0, 1))
+            pool.flat_values().index_copy_(0, slots.to(pool.values.device), value_states[0].transpose(0, 1))
+            cache.summarize_keys(layer, torch.arange(int(logical[0]), int(logical[-1]) + 1))
+            logical = logical + layer * cache.max_blocks
+
         if self.mirror_stale:
             self._rebuild_mirror()
         else:
@@ -124,7 +132,7 @@ class PagedLayer(CacheLayerMixin):
         count = slots.numel()
         self.mirror_keys[0, :, :count] = pool.flat_keys().index_select(0, slots).transpose(0, 1)
         self.mirror_values[0, :, :count] = pool.flat_values().index_select(0, slots).transpose(0, 1)
-        self.mirror_blocks[:count] = blocks
+        self.mirror_blocks[:count] = blocks + self.layer_idx * self.cache.max_blocks
         self.resident = count
         self.mirror_stale = False
 
@@ -176,6 +184,7 @@ class PagedKVCache(Cache):
         self.bytes_read = [0] * self.num_layers  # by attention, cumulative
         self.last_bytes_read = [0] * self.num_layers  # by the layer's latest attention call
         self.attention_calls = [0] * self.num_layers
+        self._pending_mass: list[torch.Tensor | None] = [None] * self.num_layers
         self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
         self.operation_log: list[dict] = []
         super().__init__(layers=[self.layer_class(self, i) for i in range(self.num_layers)])
@@ -199,12 +208,38 @@ class PagedKVCache(Cache):
     def device_pool(self, layer: int) -> TierPool:
         return self.pools[layer][Tier.DEVICE]
 
-    def record_attention(self, layer: int, token_mass: torch.Tensor, num_queries: int) -> None:
-        """Fold one attention call's per-token mass (over the resident mirror) into the block statistics."""
-        slot_blocks = self.layers[layer].mirror_blocks[: token_mass.numel()]
-        block_mass = torch.zeros(self.max_blocks).index_add_(0, slot_blocks, token_mass)
-        self.stats.record_attention(layer, block_mass, num_queries, self.tables.count_in(layer, Tier.DEVICE),
-                                    self.tables.seen[layer])
+    def record_attention(self, layer: int, token_mass: torch.Tensor, num_queries: int, scale: float = 1.0) -> None:
+        """Take one layer's per-token attention mass over its resident mirror (times ``scale``, e.g. 1/heads to
+        average over query heads). The statistics of all layers are updated together after the last layer."""
+        self._pending_mass[layer] = token_mass
+        if layer == self.num_layers - 1:
+            self._flush_attention(num_queries, scale)
+
+    def _flush_attention(self, num_queries: int, scale: float) -> None:
+        layers = [layer for layer, mass in enumerate(self._pending_mass) if mass is not None]
+        if not layers:
+            return
+        masses = [self._pending_mass[layer] for layer in layers]
+        index = torch.cat([self.layers[layer].mirror_blocks[: mass.numel()] for layer, mass in zip(layers, masses, strict=True)])
+        block_mass = torch.zeros(self.num_layers * self.max_blocks)
+        block_mass.index_add_(0, index, torch.cat(masses).cpu(), alpha=scale)
+        resident_blocks = torch.tensor([self.tables.count_in(layer, Tier.DEVICE) for layer in range(self.num_layers)])
+        self.stats.record_attention(block_mass.view(self.num_layers, self.max_blocks), num_queries,
+                                    resident_blocks, self.tables.seen[0])
+        self._pending_mass = [None] * self.num_layers
+
+    def summarize_keys(self, layer: int, blocks: torch.Tensor) -> None:
+        """Recompute the key summaries (sum, min, max) of ``layer``'s device ``blocks`` from the pool."""
+        pool = self.device_pool(layer)
+        physical = self.tables.physical[layer, blocks].to(pool.keys.device)
+        self.stats.summarize_keys(layer, blocks, pool.keys[physical], self.tables.num_tokens[layer, blocks])
+
+    def refresh_key_stats(self) -> None:
+        """Bring every layer's newest (partially filled) block's key summaries up to date."""
+        for layer in range(self.num_layers):
+            n = self.tables.num_logical(layer)
+            if n and self.pools[layer]:
+                self.summarize_keys(layer, torch.tensor([n - 1]))
 
     def _count_read(self, layer: int, resident: int) -> None:
         read = resident * self.bytes_per_token

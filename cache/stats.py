@@ -13,11 +13,13 @@ class BlockStats:
     """Statistics of every (layer, logical block).
 
     - ``acc_mass``: attention mass received, summed over every query that saw the block (H2O's score);
-    - ``recent_mass``: the same, exponentially decayed by ``recent_decay`` per attention call;
+    - ``recent_mass``: the same, exponentially decayed by ``recent_decay`` per forward pass;
     - ``last_attended``: logical length of the sequence (tokens seen) when the block last received at least
-      ``attended_share`` × the uniform share (1 / resident blocks) of a call's attention; -1 if never;
+      ``attended_share`` × the uniform share (1 / resident blocks) of a forward pass's attention; -1 if never;
     - ``key_sum``/``key_min``/``key_max``: sum and per-channel min/max of the block's post-RoPE keys,
-      ``[L, N, kv_heads, head_dim]``; ``mean_key()`` divides by the token count.
+      ``[L, N, kv_heads, head_dim]``; ``mean_key()`` divides by the token count. They are computed from
+      the pool when a block fills up (and per prefill chunk), so each layer's newest block may lag until
+      ``PagedKVCache.refresh_key_stats()`` runs (``CacheView`` does it).
     """
 
     def __init__(self, num_layers: int, max_blocks: int, recent_decay: float = 0.9, attended_share: float = 1.0):
@@ -40,24 +42,25 @@ class BlockStats:
         self.key_min = torch.full(shape, float("inf"))
         self.key_max = torch.full(shape, float("-inf"))
 
-    def record_keys(self, layer: int, logical_blocks: torch.Tensor, keys: torch.Tensor) -> None:
-        """Fold new keys ``[n, kv_heads, head_dim]`` into their blocks' summaries."""
+    def summarize_keys(self, layer: int, blocks: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """Set the key summaries of ``blocks`` from their keys ``[nb, block_size, kv_heads, head_dim]``, of
+        which the first ``counts[i]`` tokens are valid."""
         if self.key_sum is None:
-            self._init_keys(keys.shape[1], keys.shape[2])
+            self._init_keys(keys.shape[2], keys.shape[3])
         keys = keys.detach().to(device="cpu", dtype=torch.float32)
-        self.key_sum[layer].index_add_(0, logical_blocks, keys)
-        index = logical_blocks[:, None, None].expand_as(keys)
-        self.key_min[layer].scatter_reduce_(0, index, keys, "amin")
-        self.key_max[layer].scatter_reduce_(0, index, keys, "amax")
+        invalid = (torch.arange(keys.shape[1])[None, :] >= counts[:, None])[..., None, None]
+        self.key_sum[layer, blocks] = keys.masked_fill(invalid, 0.0).sum(dim=1)
+        self.key_min[layer, blocks] = keys.masked_fill(invalid, float("inf")).amin(dim=1)
+        self.key_max[layer, blocks] = keys.masked_fill(invalid, float("-inf")).amax(dim=1)
 
-    def record_attention(self, layer: int, block_mass: torch.Tensor, num_queries: int,
-                         num_resident_blocks: int, seen: int) -> None:
-        """Add one attention call's mass per logical block (``[max_blocks]``, summed over ``num_queries``)."""
-        self.acc_mass[layer] += block_mass
-        recent = self.recent_mass[layer]
-        recent.mul_(self.recent_decay).add_(block_mass)
-        threshold = self.attended_share * num_queries / max(num_resident_blocks, 1)
-        self.last_attended[layer].masked_fill_(block_mass >= threshold, seen)
+    def record_attention(self, block_mass: torch.Tensor, num_queries: int, resident_blocks: torch.Tensor,
+                         seen: int) -> None:
+        """Add one forward pass's attention mass ``[L, max_blocks]`` (summed over its ``num_queries``);
+        ``resident_blocks`` ``[L]`` is each layer's number of device blocks."""
+        self.acc_mass += block_mass
+        self.recent_mass.mul_(self.recent_decay).add_(block_mass)
+        threshold = (self.attended_share * num_queries / resident_blocks.clamp(min=1))[:, None]
+        self.last_attended.masked_fill_(block_mass >= threshold, seen)
 
     def mean_key(self, num_tokens: torch.Tensor) -> torch.Tensor | None:
         """``[L, N, kv_heads, head_dim]`` mean post-RoPE key per block (zero for empty blocks)."""

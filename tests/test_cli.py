@@ -1,0 +1,70 @@
+"""The `kvgym` command line on a tiny local checkpoint (a random 2-layer Llama with SmolLM2's tokenizer)."""
+
+import json
+import shutil
+
+import pytest
+
+from cache.models import ensure_smollm2
+from kvgym.cli import main, parse_budget
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    source = ensure_smollm2()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_generate_prints_text_and_cache_state(tiny_checkpoint, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Alice was beginning to get very tired of sitting by her sister on the bank. " * 6)
+    out_json = tmp_path / "run.json"
+    code = main(["generate", "--model", str(tiny_checkpoint), "--prompt-file", str(prompt), "--budget", "4",
+                 "--max-new-tokens", "12", "--no-chat", "--prefill-chunk", "16", "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "cache state after the run" in printed and "device" in printed and "dropped" in printed
+    assert "bytes read by attention per decoded token" in printed
+    summary = json.loads(out_json.read_text())
+    assert summary["budget_blocks_per_layer"] == 4
+    assert summary["blocks_per_tier_all_layers"]["device"] <= 2 * 4
+    assert summary["blocks_per_tier_all_layers"]["dropped"] > 0
+    assert summary["bytes_read_per_token"] > 0
+
+
+def test_generate_rejects_a_budget_below_the_pinned_blocks(tiny_checkpoint, capsys):
+    code = main(["generate", "--model", str(tiny_checkpoint), "--prompt", "hello there " * 40, "--budget", "1",
+                 "--no-chat", "--max-new-tokens", "2"])
+    assert code == 2
+    assert "pinned" in capsys.readouterr().err
+
+
+def test_generate_rejects_a_prompt_longer_than_the_positions(tiny_checkpoint, capsys):
+    code = main(["generate", "--model", str(tiny_checkpoint), "--prompt", "word " * 600, "--no-chat"])
+    assert code == 2
+    assert "exceeds the model's 512 positions" in capsys.readouterr().err
+
+
+def test_unknown_model_lists_aliases(capsys):
+    code = main(["generate", "--model", "gpt-17", "--prompt", "hi"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "smollm2-135m" in err and "tinyllama" in err
+
+
+def test_budget_parsing():
+    assert parse_budget("0.25") == 0.25
+    assert parse_budget("64") == 64
+    assert parse_budget("full") is None
+    with pytest.raises(Exception, match="fraction like 0.25"):
+        parse_budget("lots")
