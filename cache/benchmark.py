@@ -1,7 +1,8 @@
 """Decode and prefill speed of the paged cache against transformers' ``DynamicCache``, interleaved.
 
 Both caches run on the same model and prompt. Decode steps alternate between the two in a random order
-each step, so machine noise hits both alike; medians of per-step times are reported. Ratios within one
+each step, so machine noise hits both alike; medians of per-step times are reported. Prefills alternate
+too (``prefill_repeats`` each, medians). Ratios within one
 run are meaningful; absolute times across runs on a shared machine are not.
 """
 
@@ -25,8 +26,8 @@ def prose_token_ids(tokenizer, length: int, text: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def bench_cache(model, tokenizer, text: str, contexts: list[int], decode_steps: int = 16, seed: int = 0,
-                progress=None) -> dict:
+def bench_cache(model, tokenizer, text: str, contexts: list[int], decode_steps: int = 16, prefill_repeats: int = 3,
+                seed: int = 0, progress=None) -> dict:
     rng = random.Random(seed)
     device = next(model.parameters()).device
     results = []
@@ -41,8 +42,8 @@ def bench_cache(model, tokenizer, text: str, contexts: list[int], decode_steps: 
         }
         prefill = {name: [] for name in caches}
         live, next_token = {}, {}
-        for order in (["dynamic", "paged"], ["paged", "dynamic"]):
-            for name in order:
+        for repeat in range(prefill_repeats):  # alternate which cache goes first
+            for name in (["dynamic", "paged"] if repeat % 2 == 0 else ["paged", "dynamic"]):
                 cache = caches[name]()
                 start = time.perf_counter()
                 out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -60,9 +61,9 @@ def bench_cache(model, tokenizer, text: str, contexts: list[int], decode_steps: 
                 next_token[name] = out.logits[:, -1:].argmax(-1)
             agree &= bool(next_token["dynamic"].item() == next_token["paged"].item())
         dynamic_ms, paged_ms = statistics.median(step_ms["dynamic"]), statistics.median(step_ms["paged"])
-        dynamic_prefill, paged_prefill = min(prefill["dynamic"]), min(prefill["paged"])
+        dynamic_prefill, paged_prefill = statistics.median(prefill["dynamic"]), statistics.median(prefill["paged"])
         results.append({
-            "context": context, "decode_steps": decode_steps,
+            "context": context, "decode_steps": decode_steps, "prefill_repeats": prefill_repeats,
             "dynamic_ms": round(dynamic_ms, 2), "paged_ms": round(paged_ms, 2), "ratio": round(paged_ms / dynamic_ms, 3),
             "dynamic_prefill_s": round(dynamic_prefill, 3), "paged_prefill_s": round(paged_prefill, 3),
             "prefill_ratio": round(paged_prefill / dynamic_prefill, 3), "greedy_tokens_agree": agree,

@@ -48,10 +48,13 @@ class BlockStats:
         if self.key_sum is None:
             self._init_keys(keys.shape[2], keys.shape[3])
         keys = keys.detach().to(device="cpu", dtype=torch.float32)
-        invalid = (torch.arange(keys.shape[1])[None, :] >= counts[:, None])[..., None, None]
-        self.key_sum[layer, blocks] = keys.masked_fill(invalid, 0.0).sum(dim=1)
-        self.key_min[layer, blocks] = keys.masked_fill(invalid, float("inf")).amin(dim=1)
-        self.key_max[layer, blocks] = keys.masked_fill(invalid, float("-inf")).amax(dim=1)
+        sums, mins, maxs = keys.sum(dim=1), keys.amin(dim=1), keys.amax(dim=1)
+        for i in torch.nonzero(counts < keys.shape[1]).flatten().tolist():  # partial: at most the newest block
+            valid = keys[i, : int(counts[i])]
+            sums[i], mins[i], maxs[i] = valid.sum(dim=0), valid.amin(dim=0), valid.amax(dim=0)
+        self.key_sum[layer, blocks] = sums
+        self.key_min[layer, blocks] = mins
+        self.key_max[layer, blocks] = maxs
 
     def record_attention(self, block_mass: torch.Tensor, num_queries: int, resident_blocks: torch.Tensor,
                          seen: int) -> None:

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cache = bench_kinds.add_parser("cache", help="decode ms/token and prefill time: paged vs DynamicCache")
     _add_model_args(bench_cache)
     bench_cache.add_argument("--contexts", type=parse_int_list, default=[512, 2048, 4096])
-    bench_cache.add_argument("--decode-steps", type=int, default=16)
+    bench_cache.add_argument("--decode-steps", type=int, default=32)
+    bench_cache.add_argument("--prefill-repeats", type=int, default=3)
     bench_cache.add_argument("--json", type=Path, required=True, help="where to write the results")
     return parser
 
@@ -150,7 +151,7 @@ def cmd_bench(args) -> int:
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     report = bench_cache(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts,
-                         decode_steps=args.decode_steps, progress=lambda row: print(json.dumps(row), flush=True))
+                         decode_steps=args.decode_steps, prefill_repeats=args.prefill_repeats, progress=lambda row: print(json.dumps(row), flush=True))
     report["model"] = args.model
     report["device"] = args.device
     args.json.parent.mkdir(parents=True, exist_ok=True)
