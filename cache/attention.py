@@ -27,15 +27,18 @@ def register_paged_attention() -> None:
     AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
 
 
-def _grouped_probs(query: torch.Tensor, key: torch.Tensor, scaling: float,
-                   allowed: torch.Tensor | None) -> torch.Tensor:
-    """Attention probabilities ``[kv_heads, group * q, kv]`` (fp32) of ``query`` ``[1, heads, q, dim]``."""
+def _grouped_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, allowed: torch.Tensor | None,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """Attention probabilities ``[kv_heads, group * q, kv]`` (fp32) of ``query`` ``[1, heads, q, dim]``;
+    ``bias`` ``[kv_heads, kv]`` (merged slots' log weights) is added to the scores."""
     _, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     grouped = query[0].reshape(kv_heads, (heads // kv_heads) * q_len, dim) * scaling
     scores = torch.matmul(grouped, key[0].transpose(-1, -2))
     if scores.dtype != torch.float32:
         scores = scores.float()
+    if bias is not None:
+        scores = scores + bias[:, None, :]
     if allowed is not None:  # [q, kv] bool, same for every head
         scores = scores.masked_fill(~allowed.repeat(heads // kv_heads, 1), float("-inf"))
     return torch.softmax(scores, dim=-1)
@@ -58,16 +61,23 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout: 
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     _, heads, q_len, dim = query.shape
     kv_len = key.shape[2]
+    bias = paged_cache.layers[layer].attention_bias()
     if q_len == 1:
-        probs = _grouped_probs(query, key, scaling, None)
+        probs = _grouped_probs(query, key, scaling, None, bias)
         output = torch.matmul(probs if probs.dtype == value.dtype else probs.to(value.dtype), value[0])
         output = output.reshape(1, 1, heads, dim)  # [kv_heads, group, dim] -> [batch, q, heads, dim]
         stats_probs, num_queries = probs, 1
     else:
         mask = None if kv_len == q_len else causal_mask(q_len, kv_len, query.device)[None, None]
+        if bias is not None:  # merged slots: an additive float mask carries their log weights
+            group = heads // key.shape[1]
+            mask = torch.zeros(q_len, kv_len, device=query.device).masked_fill(
+                ~causal_mask(q_len, kv_len, query.device), float("-inf"))
+            mask = (mask[None, None] + bias.repeat_interleave(group, dim=0)[None, :, None, :]).to(query.dtype)
         output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
         window = min(q_len, paged_cache.config.stats_window)
         allowed = causal_mask(q_len, kv_len, query.device, last_rows=window)
-        stats_probs, num_queries = _grouped_probs(query[:, :, -window:], key, scaling, allowed), window
+        stats_probs = _grouped_probs(query[:, :, -window:], key, scaling, allowed, bias)
+        num_queries = window
     paged_cache.record_attention(layer, stats_probs.sum(dim=(0, 1)), num_queries, 1.0 / heads)
     return output, None

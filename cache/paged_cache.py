@@ -14,8 +14,12 @@ cache every step; the mirror does not), at the price of a second copy of the res
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -36,7 +40,10 @@ class CacheConfig:
     - ``block_size``: tokens per block.
     - ``max_tokens``: logical capacity (default: the model's ``max_position_embeddings``).
     - ``device_blocks``: device pool capacity per layer (default: enough for ``max_tokens``).
-    - ``host_blocks``: host pool capacity per layer; 0 turns offload off (evicted blocks are dropped).
+    - ``host_blocks``, ``disk_blocks``: host and disk pool capacity per layer. An evicted block goes to
+      the host tier if it has room, else to the disk tier, else it is dropped (0 and 0: offload off).
+    - ``disk_dir``: folder for the disk tier's memory-mapped files (default: a fresh temporary folder);
+      ``PagedKVCache.close()`` deletes the files.
     - ``sink_blocks``: leading blocks that are pinned on the device (the attention sink).
     - ``stats_window``: for a multi-token forward (prefill), attention statistics come from its last
       ``stats_window`` queries (SnapKV's observation window); a decode step always contributes its query.
@@ -47,6 +54,8 @@ class CacheConfig:
     max_tokens: int | None = None
     device_blocks: int | None = None
     host_blocks: int = 0
+    disk_blocks: int = 0
+    disk_dir: str | None = None
     sink_blocks: int = 1
     stats_window: int = 64
     recent_decay: float = 0.9
@@ -56,8 +65,9 @@ class CacheConfig:
         for name in ("block_size", "sink_blocks", "stats_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CacheConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.host_blocks < 0:
-            raise ValueError(f"CacheConfig.host_blocks must be >= 0, got {self.host_blocks}")
+        for name in ("host_blocks", "disk_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CacheConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
 class PagedLayer(CacheLayerMixin):
@@ -76,6 +86,7 @@ class PagedLayer(CacheLayerMixin):
         self.mirror_values: torch.Tensor | None = None
         # each mirror slot's block as an index into the flattened [layers, max_blocks] statistics
         self.mirror_blocks: torch.Tensor | None = None
+        self.mirror_log_weights: torch.Tensor | None = None  # [kv_heads, capacity]; used once merges happen
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, kv_heads, _, head_dim = key_states.shape
@@ -85,6 +96,7 @@ class PagedLayer(CacheLayerMixin):
         self.mirror_keys = torch.empty(shape, dtype=key_states.dtype, device=key_states.device)
         self.mirror_values = torch.empty(shape, dtype=value_states.dtype, device=value_states.device)
         self.mirror_blocks = torch.empty(capacity, dtype=torch.int64)
+        self.mirror_log_weights = torch.zeros(kv_heads, capacity, dtype=torch.float32, device=key_states.device)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -101,6 +113,8 @@ class PagedLayer(CacheLayerMixin):
             physical, offset, block = cache.tables.append_one(layer, pool.allocator)
             pool.keys[physical, offset] = key_states[0, :, 0]
             pool.values[physical, offset] = value_states[0, :, 0]
+            if pool.has_merged:
+                pool.log_weights[physical, offset] = 0.0
             if offset == 0 and block > 0:  # the previous block just became full: summarise its keys
                 cache.summarize_keys(layer, torch.tensor([block - 1]))
             logical = block + layer * cache.max_blocks
@@ -108,6 +122,8 @@ class PagedLayer(CacheLayerMixin):
             slots, logical = cache.tables.append(layer, num_new, pool.allocator)
             pool.flat_keys().index_copy_(0, slots.to(pool.keys.device), key_states[0].transpose(0, 1))
             pool.flat_values().index_copy_(0, slots.to(pool.values.device), value_states[0].transpose(0, 1))
+            if pool.has_merged:
+                pool.flat_log_weights().index_fill_(0, slots.to(pool.keys.device), 0.0)
             cache.summarize_keys(layer, torch.arange(int(logical[0]), int(logical[-1]) + 1))
             logical = logical + layer * cache.max_blocks
 
@@ -118,6 +134,8 @@ class PagedLayer(CacheLayerMixin):
             self.mirror_keys[:, :, previous:end] = key_states
             self.mirror_values[:, :, previous:end] = value_states
             self.mirror_blocks[previous:end] = logical
+            if pool.has_merged:
+                self.mirror_log_weights[:, previous:end] = 0.0
             self.resident = end
         cache._count_read(layer, self.resident)
         if previous == 0 and self.resident == num_new:
@@ -133,8 +151,16 @@ class PagedLayer(CacheLayerMixin):
         self.mirror_keys[0, :, :count] = pool.flat_keys().index_select(0, slots).transpose(0, 1)
         self.mirror_values[0, :, :count] = pool.flat_values().index_select(0, slots).transpose(0, 1)
         self.mirror_blocks[:count] = blocks + self.layer_idx * self.cache.max_blocks
+        if pool.has_merged:
+            self.mirror_log_weights[:, :count] = pool.flat_log_weights().index_select(0, slots).transpose(0, 1)
         self.resident = count
         self.mirror_stale = False
+
+    def attention_bias(self) -> torch.Tensor | None:
+        """``[kv_heads, resident]`` log weights to add to attention scores, or None when nothing is merged."""
+        if not self.cache.device_pool(self.layer_idx).has_merged:
+            return None
+        return self.mirror_log_weights[:, : self.resident]
 
     def resident_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The attended keys/values ``[1, kv_heads, resident, head_dim]`` (after pending table changes)."""
@@ -180,6 +206,13 @@ class PagedKVCache(Cache):
         self.stats = BlockStats(self.num_layers, self.max_blocks, self.config.recent_decay,
                                 self.config.attended_share)
         self.pools: list[dict[Tier, TierPool]] = [{} for _ in range(self.num_layers)]
+        self.disk_dir: Path | None = None
+        if self.config.disk_blocks:
+            root = self.config.disk_dir
+            if root is not None:
+                Path(root).mkdir(parents=True, exist_ok=True)
+            self.disk_dir = Path(tempfile.mkdtemp(prefix="kvgym-disk-", dir=root))
+            self._remove_disk_dir = weakref.finalize(self, shutil.rmtree, self.disk_dir, True)
         self.bytes_per_token = 0  # K + V bytes of one token in one layer, known after the first write
         self.bytes_read = [0] * self.num_layers  # by attention, cumulative
         self.last_bytes_read = [0] * self.num_layers  # by the layer's latest attention call
@@ -202,6 +235,9 @@ class PagedKVCache(Cache):
         if self.config.host_blocks:
             pools[Tier.HOST] = TierPool(Tier.HOST, self.config.host_blocks, self.block_size, kv_heads, head_dim,
                                         dtype, "cpu")
+        if self.config.disk_blocks:
+            pools[Tier.DISK] = TierPool(Tier.DISK, self.config.disk_blocks, self.block_size, kv_heads, head_dim,
+                                        dtype, "cpu", disk_dir=self.disk_dir, layer=layer)
         self.pools[layer] = pools
         self.bytes_per_token = 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
@@ -289,51 +325,129 @@ class PagedKVCache(Cache):
             raise CacheOperationError(f"{operation}: block {block} of layer {layer} is out of range 0..{n - 1}")
         return Tier(int(self.tables.tier[layer, block]))
 
-    def evict(self, layer: int, block: int) -> Tier:
-        """Move a device block to the host tier if it has room, else drop it; returns where it went."""
-        tier = self._check_block(layer, block, "evict")
+    def _check_evictable(self, layer: int, block: int, operation: str) -> None:
+        tier = self._check_block(layer, block, operation)
         if tier != Tier.DEVICE:
-            raise CacheOperationError(f"evict: block {block} of layer {layer} is not on the device (it is {tier.name})")
+            raise CacheOperationError(
+                f"{operation}: block {block} of layer {layer} is not on the device (it is {tier.name})")
         if self.is_pinned(layer, block):
-            raise CacheOperationError(f"evict: block {block} of layer {layer} is pinned (sink or newest block)")
-        device = self.device_pool(layer)
-        source = int(self.tables.physical[layer, block])
-        host = self.pools[layer].get(Tier.HOST)
-        if host is not None and host.allocator.num_free:
-            target = host.allocator.allocate()
-            host.keys[target].copy_(device.keys[source], non_blocking=True)
-            host.values[target].copy_(device.values[source], non_blocking=True)
-            self.tables.move(layer, block, Tier.HOST, target)
-            self.bytes_moved[("device", "host")] += device.bytes_per_block
-            destination = Tier.HOST
+            raise CacheOperationError(f"{operation}: block {block} of layer {layer} is pinned (sink or newest block)")
+
+    def _move(self, layer: int, block: int, source: Tier, target: Tier) -> None:
+        """Copy a block between tier pools and update the table; the caller checked there is room."""
+        from_pool, to_pool = self.pools[layer][source], self.pools[layer][target]
+        source_block = int(self.tables.physical[layer, block])
+        target_block = to_pool.allocator.allocate()
+        to_pool.copy_block(from_pool, source_block, target_block)
+        from_pool.allocator.free(source_block)
+        self.tables.move(layer, block, target, target_block)
+        self.bytes_moved[(source.name.lower(), target.name.lower())] += from_pool.bytes_per_block
+
+    def evict(self, layer: int, block: int) -> Tier:
+        """Move a device block to the next tier with room (host, then disk), else drop it; returns where
+        it went. Refused (``CacheOperationError``, nothing changed) for pinned or non-device blocks."""
+        self._check_evictable(layer, block, "evict")
+        for tier in (Tier.HOST, Tier.DISK):
+            pool = self.pools[layer].get(tier)
+            if pool is not None and pool.allocator.num_free:
+                self._move(layer, block, Tier.DEVICE, tier)
+                break
         else:
+            self.device_pool(layer).allocator.free(int(self.tables.physical[layer, block]))
             self.tables.move(layer, block, Tier.DROPPED)
-            destination = Tier.DROPPED
-        device.allocator.free(source)
+            tier = Tier.DROPPED
         self.layers[layer].mirror_stale = True
-        self._log("evict", layer, block, destination)
-        return destination
+        self._log("evict", layer, block, tier)
+        return tier
 
     def prefetch(self, layer: int, block: int) -> None:
-        """Bring a host block back to the device (bit-exact copy)."""
+        """Bring a host or disk block back to the device (a bit-exact copy)."""
         tier = self._check_block(layer, block, "prefetch")
-        if tier != Tier.HOST:
+        if tier not in (Tier.HOST, Tier.DISK):
             raise CacheOperationError(
-                f"prefetch: block {block} of layer {layer} is {tier.name}; only HOST blocks can be prefetched"
+                f"prefetch: block {block} of layer {layer} is {tier.name}; only HOST or DISK blocks can be prefetched"
             )
-        device = self.device_pool(layer)
-        if not device.allocator.num_free:
+        if not self.device_pool(layer).allocator.num_free:
             raise CacheOperationError(f"prefetch: the device pool of layer {layer} is full; evict a block first")
-        host = self.pools[layer][Tier.HOST]
-        source = int(self.tables.physical[layer, block])
-        target = device.allocator.allocate()
-        device.keys[target].copy_(host.keys[source], non_blocking=True)
-        device.values[target].copy_(host.values[source], non_blocking=True)
-        host.allocator.free(source)
-        self.tables.move(layer, block, Tier.DEVICE, target)
-        self.bytes_moved[("host", "device")] += device.bytes_per_block
+        self._move(layer, block, tier, Tier.DEVICE)
         self.layers[layer].mirror_stale = True
         self._log("prefetch", layer, block, Tier.DEVICE)
+
+    def merge(self, layer: int, block: int, min_similarity: float | None = None) -> int:
+        """Free a device block, folding each of its tokens into the most similar token that stays.
+
+        Rule: weighted key/value averaging with proportional attention. For each KV head, every token of
+        the block joins the resident token (outside the block) whose key is most cosine-similar, as in
+        D2O's nearest-neighbour merge (Wan et al., 2024, arXiv 2406.13035, §3.3); the pair is replaced by
+        the count-weighted mean of their keys and values and the merged slot's log count is added to its
+        attention scores, as in ToMe's proportional attention (Bolya et al., ICLR 2023). When the two keys
+        are equal this reproduces their joint attention exactly. Tokens whose best similarity is below
+        ``min_similarity`` are dropped instead of folded. Returns the number of tokens folded; refused when
+        there is no candidate to fold into.
+        """
+        self._check_evictable(layer, block, "merge")
+        pool = self.device_pool(layer)
+        targets = self.tables.blocks_in(layer, Tier.DEVICE)
+        targets = targets[targets != block]
+        if targets.numel() == 0:
+            raise CacheOperationError(f"merge: layer {layer} has no other device block to merge block {block} into")
+        bs = self.block_size
+        source_slots = int(self.tables.physical[layer, block]) * bs + torch.arange(
+            int(self.tables.num_tokens[layer, block]))
+        counts = self.tables.num_tokens[layer, targets].to(torch.int64)
+        offsets = torch.arange(bs)
+        target_slots = (self.tables.physical[layer, targets, None] * bs + offsets)[offsets < counts[:, None]]
+        keys, values, weights = pool.flat_keys(), pool.flat_values(), pool.flat_log_weights()
+        source_keys = keys[source_slots].float()  # [s, kv_heads, dim]
+        target_keys = keys[target_slots].float()  # [t, kv_heads, dim]
+        similarity = torch.einsum("shd,thd->hst", torch.nn.functional.normalize(source_keys, dim=-1),
+                                  torch.nn.functional.normalize(target_keys, dim=-1))
+        best_similarity, nearest = similarity.max(dim=-1)  # [kv_heads, s]
+        if min_similarity is None:
+            folded = torch.ones_like(nearest, dtype=torch.bool)
+        else:
+            folded = best_similarity >= min_similarity
+        if not bool(folded.any()):
+            raise CacheOperationError(
+                f"merge: no token of block {block} in layer {layer} reaches similarity {min_similarity} "
+                f"with a kept token (best {float(best_similarity.max()):.3f}); evict it instead")
+        source_weight = torch.exp(weights[source_slots].T) * folded  # [kv_heads, s]
+        target_weight = torch.exp(weights[target_slots].T)  # [kv_heads, t]
+        heads = source_keys.shape[1]
+        new_weight = target_weight.clone()
+        new_weight.scatter_add_(1, nearest, source_weight)
+        merged = {}
+        for name, source, target in (("keys", source_keys, target_keys),
+                                     ("values", values[source_slots].float(), values[target_slots].float())):
+            total = target * target_weight.T[..., None]  # [t, kv_heads, dim]
+            for h in range(heads):
+                total[:, h].index_add_(0, nearest[h], source[:, h] * source_weight[h, :, None])
+            merged[name] = total / new_weight.T[..., None]
+        keys[target_slots] = merged["keys"].to(keys.dtype)
+        values[target_slots] = merged["values"].to(values.dtype)
+        weights[target_slots] = torch.log(new_weight).T
+        pool.has_merged = True
+        pool.allocator.free(int(self.tables.physical[layer, block]))
+        self.tables.move(layer, block, Tier.DROPPED)
+        self.summarize_keys(layer, targets)
+        self.layers[layer].mirror_stale = True
+        self._log("merge", layer, block, Tier.DROPPED)
+        return int(folded.sum())
+
+    def reopen_disk(self) -> None:
+        """Unmap and map again every layer's disk pool (the content survives; used to check persistence)."""
+        for pools in self.pools:
+            if Tier.DISK in pools:
+                pools[Tier.DISK].reopen()
+
+    def close(self) -> None:
+        """Release the pools and delete the disk tier's files and folder."""
+        for pools in self.pools:
+            for pool in pools.values():
+                pool.close()
+        self.pools = [{} for _ in range(self.num_layers)]
+        if self.disk_dir is not None:
+            self._remove_disk_dir()
 
     def _log(self, operation: str, layer: int, block: int, destination: Tier) -> None:
         self.operation_log.append({"op": operation, "layer": layer, "block": block, "to": destination.name.lower(),

@@ -128,7 +128,7 @@ def same(a, b):
     ("evict", 1, 4, "pinned"),          # the newest block (70 tokens -> blocks 0..4)
     ("evict", 0, 5, "out of range"),
     ("evict", 2, 1, "layer 2 is out of range"),
-    ("prefetch", 0, 1, "only HOST blocks"),
+    ("prefetch", 0, 1, "only HOST or DISK blocks"),
 ])
 def test_refused_operations_leave_the_cache_unchanged(tiny_model, operation, layer, block, message):
     cache = filled_cache(tiny_model)
