@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from cache.paged_cache import CacheOperationError, PagedKVCache
+from cache.paged_cache import PagedKVCache
 from cache.tiers import Tier
 
 
@@ -33,13 +33,20 @@ class Decision:
 
 @dataclass
 class CacheView:
-    """A read-only snapshot of the cache for a controller. Tensors are ``[L, N]`` with ``N`` the number of
-    logical blocks in use (``L`` layers); block ``b`` covers positions ``first_position[b]`` onwards.
+    """A read-only snapshot of the cache for a controller. Per-block tensors are ``[L, N]`` (``L`` layers,
+    ``N`` logical blocks in use); block ``b`` covers positions ``first_position[b]`` onward.
 
-    - ``tier``: int8 ``Tier`` values; ``num_tokens``: int32; ``pinned``: bool;
-    - ``acc_mass``, ``recent_mass``: float32 attention statistics; ``last_attended``: int64 (-1 = never);
-    - ``budget_blocks``: int64 ``[L]`` device budget of each layer; ``seen``: tokens seen.
-    ``mean_key`` (``[L, N, kv_heads, head_dim]``) is computed on first access.
+    Built eagerly (cheap):
+
+    - ``tier`` (int8 ``Tier``; ``DROPPED`` marks a cache miss: content gone), ``num_tokens``, ``pinned``;
+    - ``acc_mass``, ``recent_mass`` (float32), ``last_attended`` (int64, tokens seen; -1 = never);
+    - ``sentence_id`` ``[N]``: sentence index of the block's first token; ``sentence_boundary`` ``[N]``: the
+      block holds a sentence end (from the tokenizer's punctuation tokens, when the runner has a tokenizer);
+    - ``budget_blocks`` ``[L]``, ``pressure`` ``[L]`` (device blocks / budget), ``tier_occupancy`` ``[3]``
+      (used / capacity of the device, host and disk pools over all layers; 0 for an absent tier).
+
+    Computed on first access: ``mean_key``, ``key_min``, ``key_max`` (``[L, N, kv_heads, head_dim]``),
+    ``query_similarity`` and ``neighbour_similarity`` (``[L, N]``), ``legal_ops`` (``[L, N, 4]``).
     """
 
     cache: PagedKVCache
@@ -51,24 +58,37 @@ class CacheView:
     acc_mass: torch.Tensor
     recent_mass: torch.Tensor
     last_attended: torch.Tensor
+    sentence_id: torch.Tensor
+    sentence_boundary: torch.Tensor
     budget_blocks: torch.Tensor
+    pressure: torch.Tensor
+    tier_occupancy: torch.Tensor
 
     @classmethod
     def from_cache(cls, cache: PagedKVCache, budget_blocks: list[int]) -> CacheView:
         n = cache.num_logical_blocks()
-        tables, stats = cache.tables, cache.stats
-        pinned = torch.stack([cache.pinned_mask(layer) for layer in range(cache.num_layers)])
+        tables, stats, bs = cache.tables, cache.stats, cache.block_size
+        pinned = torch.zeros(cache.num_layers, n, dtype=torch.bool)
+        pinned[:, : cache.config.sink_blocks] = True
+        pinned[:, n - 1] = True
+        ends = cache.sentence_end[: n * bs].view(n, bs)
+        sentences_before = torch.cumsum(ends.sum(dim=1), dim=0) - ends.sum(dim=1)
+        budget = torch.tensor(budget_blocks, dtype=torch.int64)
+        device = torch.tensor([tables.count_in(layer, Tier.DEVICE) for layer in range(cache.num_layers)])
         return cls(
-            cache=cache,
-            seen=cache.seen,
+            cache=cache, seen=cache.seen,
             tier=tables.tier[:, :n].clone(),
-            first_position=tables.first_position(0),
+            first_position=torch.arange(n, dtype=torch.int64) * bs,
             num_tokens=tables.num_tokens[:, :n].clone(),
             pinned=pinned,
             acc_mass=stats.acc_mass[:, :n].clone(),
             recent_mass=stats.recent_mass[:, :n].clone(),
             last_attended=stats.last_attended[:, :n].clone(),
-            budget_blocks=torch.tensor(budget_blocks, dtype=torch.int64),
+            sentence_id=sentences_before,
+            sentence_boundary=ends.any(dim=1),
+            budget_blocks=budget,
+            pressure=device.float() / budget.clamp(min=1).float(),
+            tier_occupancy=cache.tier_occupancy(),
         )
 
     @property
@@ -79,16 +99,85 @@ class CacheView:
     def num_blocks(self) -> int:
         return self.tier.shape[1]
 
-    @cached_property
-    def mean_key(self) -> torch.Tensor | None:
-        n = self.num_blocks
-        self.cache.refresh_key_stats()
-        keys = self.cache.stats.mean_key(self.cache.tables.num_tokens[:, :n])
-        return None if keys is None else keys[:, :n]
-
     def device_blocks(self) -> torch.Tensor:
         """``[L]`` number of blocks on the device per layer."""
         return (self.tier == Tier.DEVICE).sum(dim=1)
+
+    def dropped_spans(self, layer: int) -> list[tuple[int, int]]:
+        """``(first, last)`` token positions of each run of dropped blocks of ``layer`` (cache misses)."""
+        spans, start = [], None
+        dropped = (self.tier[layer] == Tier.DROPPED).tolist() + [False]
+        for block, is_dropped in enumerate(dropped):
+            if is_dropped and start is None:
+                start = block
+            elif not is_dropped and start is not None:
+                spans.append((start * self.cache.block_size, block * self.cache.block_size - 1))
+                start = None
+        return spans
+
+    def _key_stat(self, name: str) -> torch.Tensor | None:
+        self.cache.refresh_key_stats()
+        stats = self.cache.stats
+        if stats.key_sum is None:
+            return None
+        n = self.num_blocks
+        if name == "mean":
+            return stats.mean_key(self.cache.tables.num_tokens)[:, :n]
+        return getattr(stats, f"key_{name}")[:, :n].clone()
+
+    @cached_property
+    def mean_key(self) -> torch.Tensor | None:
+        return self._key_stat("mean")
+
+    @cached_property
+    def key_min(self) -> torch.Tensor | None:
+        return self._key_stat("min")
+
+    @cached_property
+    def key_max(self) -> torch.Tensor | None:
+        return self._key_stat("max")
+
+    @cached_property
+    def query_summary(self) -> torch.Tensor | None:
+        """``[L, kv_heads, head_dim]``: the latest query of each layer, averaged over each KV group."""
+        queries = self.cache.last_query
+        if self.mean_key is None or any(q is None for q in queries):
+            return None
+        kv_heads = self.mean_key.shape[2]
+        return torch.stack([q.detach().float().cpu().reshape(kv_heads, -1, q.shape[-1]).mean(dim=1) for q in queries])
+
+    @cached_property
+    def query_similarity(self) -> torch.Tensor:
+        """``[L, N]`` cosine similarity of each block's mean key to the current query summary (mean over KV
+        heads); zeros before the first attention call."""
+        if self.query_summary is None:
+            return torch.zeros(self.num_layers, self.num_blocks)
+        cosine = torch.nn.functional.cosine_similarity(self.mean_key, self.query_summary[:, None], dim=-1)
+        return cosine.mean(dim=-1)
+
+    @cached_property
+    def neighbour_similarity(self) -> torch.Tensor:
+        """``[L, N]`` cosine similarity of each block's mean key (KV heads concatenated) to the most similar
+        other device block of the same layer; -1 when there is none."""
+        if self.mean_key is None:
+            return torch.full((self.num_layers, self.num_blocks), -1.0)
+        keys = torch.nn.functional.normalize(self.mean_key.flatten(2), dim=-1)
+        similarity = keys @ keys.transpose(1, 2)  # [L, N, N]
+        candidate = (self.tier == Tier.DEVICE)[:, None, :] & ~torch.eye(self.num_blocks, dtype=torch.bool)[None]
+        return similarity.masked_fill(~candidate, -1.0).amax(dim=-1)
+
+    @cached_property
+    def legal_ops(self) -> torch.Tensor:
+        """``[L, N, 4]`` bool, indexed by ``Op``: what the cache would accept for each block now."""
+        on_device = self.tier == Tier.DEVICE
+        legal = torch.zeros(self.num_layers, self.num_blocks, len(Op), dtype=torch.bool)
+        legal[..., Op.KEEP] = True
+        legal[..., Op.EVICT] = on_device & ~self.pinned
+        legal[..., Op.MERGE] = legal[..., Op.EVICT] & (self.device_blocks() > 1)[:, None]
+        free = torch.tensor([self.cache.device_pool(layer).allocator.num_free if self.cache.pools[layer] else 0
+                             for layer in range(self.num_layers)])
+        legal[..., Op.PREFETCH] = ((self.tier == Tier.HOST) | (self.tier == Tier.DISK)) & (free > 0)[:, None]
+        return legal
 
 
 @runtime_checkable
@@ -117,11 +206,13 @@ def apply_decisions(cache: PagedKVCache, decisions: list[Decision]) -> dict[str,
     counts = {op.name.lower(): 0 for op in Op}
     for decision in decisions:
         op = Op(decision.op)
-        if op == Op.EVICT:
+        if op == Op.KEEP:
+            cache.check_block(decision.layer, decision.block, "keep")
+        elif op == Op.EVICT:
             cache.evict(decision.layer, decision.block)
         elif op == Op.PREFETCH:
             cache.prefetch(decision.layer, decision.block)
         elif op == Op.MERGE:
-            raise CacheOperationError("merge is not implemented yet (planned with the tier operations)")
+            cache.merge(decision.layer, decision.block)
         counts[op.name.lower()] += 1
     return counts

@@ -139,7 +139,7 @@ class PagedLayer(CacheLayerMixin):
             self.resident = end
         cache._count_read(layer, self.resident)
         if previous == 0 and self.resident == num_new:
-            return key_states, value_states  # a fresh prefill reads nothing back
+            return key_states, value_states  # a fresh prefill: attend the incoming states, no copy back
         return self.mirror_keys[:, :, : self.resident], self.mirror_values[:, :, : self.resident]
 
     def _rebuild_mirror(self) -> None:
@@ -151,6 +151,7 @@ class PagedLayer(CacheLayerMixin):
         self.mirror_keys[0, :, :count] = pool.flat_keys().index_select(0, slots).transpose(0, 1)
         self.mirror_values[0, :, :count] = pool.flat_values().index_select(0, slots).transpose(0, 1)
         self.mirror_blocks[:count] = blocks + self.layer_idx * self.cache.max_blocks
+        self.cache.mirror_bytes_copied += count * self.cache.bytes_per_token
         if pool.has_merged:
             self.mirror_log_weights[:, :count] = pool.flat_log_weights().index_select(0, slots).transpose(0, 1)
         self.resident = count
@@ -217,7 +218,11 @@ class PagedKVCache(Cache):
         self.bytes_read = [0] * self.num_layers  # by attention, cumulative
         self.last_bytes_read = [0] * self.num_layers  # by the layer's latest attention call
         self.attention_calls = [0] * self.num_layers
+        self.mirror_bytes_copied = 0  # device-to-device copies that rebuild resident mirrors after table changes
         self._pending_mass: list[torch.Tensor | None] = [None] * self.num_layers
+        # token-level facts the controller view summarises per block
+        self.sentence_end = torch.zeros(self.max_blocks * self.block_size, dtype=torch.bool)
+        self.last_query: list[torch.Tensor | None] = [None] * self.num_layers  # [heads, dim] of the latest query
         self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
         self.operation_log: list[dict] = []
         super().__init__(layers=[self.layer_class(self, i) for i in range(self.num_layers)])
@@ -263,6 +268,11 @@ class PagedKVCache(Cache):
         self.stats.record_attention(block_mass.view(self.num_layers, self.max_blocks), num_queries,
                                     resident_blocks, self.tables.seen[0])
         self._pending_mass = [None] * self.num_layers
+
+    def observe_tokens(self, start: int, sentence_end: torch.Tensor) -> None:
+        """Record which tokens at positions ``start..`` end a sentence (the runner calls this; the cache
+        itself never sees token ids)."""
+        self.sentence_end[start : start + sentence_end.numel()] = sentence_end.cpu()
 
     def summarize_keys(self, layer: int, blocks: torch.Tensor) -> None:
         """Recompute the key summaries (sum, min, max) of ``layer``'s device ``blocks`` from the pool."""
@@ -310,6 +320,16 @@ class PagedKVCache(Cache):
         return {tier.name.lower(): [self.tables.count_in(layer, tier) for layer in range(self.num_layers)]
                 for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.DROPPED)}
 
+    def tier_occupancy(self) -> torch.Tensor:
+        """``[3]`` fraction of the device, host and disk pools in use, over all layers (0 when absent)."""
+        occupancy = []
+        for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+            pools = [pools[tier] for pools in self.pools if tier in pools]
+            capacity = sum(pool.num_blocks for pool in pools)
+            used = sum(pool.allocator.num_used for pool in pools)
+            occupancy.append(used / capacity if capacity else 0.0)
+        return torch.tensor(occupancy)
+
     def resident_tokens(self, layer: int) -> int:
         return self.tables.resident_tokens(layer)
 
@@ -317,7 +337,8 @@ class PagedKVCache(Cache):
         return self.layers[layer].resident_keys_values()
 
     # ----------------------------------------------------------------- operations
-    def _check_block(self, layer: int, block: int, operation: str) -> Tier:
+    def check_block(self, layer: int, block: int, operation: str) -> Tier:
+        """The tier of ``layer``'s logical ``block``; ``CacheOperationError`` naming ``operation`` if out of range."""
         if not 0 <= layer < self.num_layers:
             raise CacheOperationError(f"{operation}: layer {layer} is out of range 0..{self.num_layers - 1}")
         n = self.tables.num_logical(layer)
@@ -326,7 +347,7 @@ class PagedKVCache(Cache):
         return Tier(int(self.tables.tier[layer, block]))
 
     def _check_evictable(self, layer: int, block: int, operation: str) -> None:
-        tier = self._check_block(layer, block, operation)
+        tier = self.check_block(layer, block, operation)
         if tier != Tier.DEVICE:
             raise CacheOperationError(
                 f"{operation}: block {block} of layer {layer} is not on the device (it is {tier.name})")
@@ -362,7 +383,7 @@ class PagedKVCache(Cache):
 
     def prefetch(self, layer: int, block: int) -> None:
         """Bring a host or disk block back to the device (a bit-exact copy)."""
-        tier = self._check_block(layer, block, "prefetch")
+        tier = self.check_block(layer, block, "prefetch")
         if tier not in (Tier.HOST, Tier.DISK):
             raise CacheOperationError(
                 f"prefetch: block {block} of layer {layer} is {tier.name}; only HOST or DISK blocks can be prefetched"
@@ -482,4 +503,5 @@ class PagedKVCache(Cache):
             "bytes_read_total": sum(self.bytes_read),
             "bytes_read_last_call": sum(self.last_bytes_read),
             "bytes_moved": {f"{a}->{b}": n for (a, b), n in self.bytes_moved.items()},
+            "mirror_bytes_copied": self.mirror_bytes_copied,
         }

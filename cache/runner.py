@@ -16,6 +16,7 @@ import torch
 
 from cache.controller import CacheView, Controller, EvictOldest, apply_decisions
 from cache.paged_cache import CacheConfig, PagedKVCache
+from cache.sentences import is_sentence_end, sentence_end_token_ids
 from cache.tiers import Tier
 
 
@@ -100,6 +101,7 @@ class Runner:
         self.prefill_chunk = prefill_chunk
         self.decide_every = decide_every
         self.fallback_rule = fallback_rule
+        self.sentence_end_ids = sentence_end_token_ids(tokenizer) if tokenizer is not None else None
 
     @property
     def max_positions(self) -> int:
@@ -132,6 +134,7 @@ class Runner:
         start = time.perf_counter()
         for chunk_start in range(0, prompt_len, self.prefill_chunk):
             chunk = ids[:, chunk_start : chunk_start + self.prefill_chunk]
+            self._observe(cache, chunk_start, chunk)
             out = self.model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
             self._decision_point(cache, budget, state)
         prefill_s = time.perf_counter() - start
@@ -145,7 +148,9 @@ class Runner:
             if token in eos:
                 break
             step_start = time.perf_counter()
-            out = self.model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True)
+            fed = torch.tensor([[token]], device=device)
+            self._observe(cache, prompt_len + step - 1, fed)
+            out = self.model(input_ids=fed, cache=cache, use_cache=True)
             step_bytes.append(sum(cache.last_bytes_read))
             logits = out.logits[0, -1].float()
             token = self._pick(logits, do_sample, temperature, top_p, generator)
@@ -165,6 +170,10 @@ class Runner:
             operations=state["ops"], fallbacks=state["fallbacks"], decisions=state["decisions"],
             budget_blocks=budget, logits=kept_logits, cache=cache,
         )
+
+    def _observe(self, cache: PagedKVCache, start: int, token_ids: torch.Tensor) -> None:
+        if self.sentence_end_ids is not None:
+            cache.observe_tokens(start, is_sentence_end(token_ids[0].cpu(), self.sentence_end_ids))
 
     def _over_budget(self, cache: PagedKVCache, budget: list[int] | None) -> bool:
         if budget is None:

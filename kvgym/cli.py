@@ -86,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cache.add_argument("--decode-steps", type=int, default=32)
     bench_cache.add_argument("--prefill-repeats", type=int, default=3)
     bench_cache.add_argument("--json", type=Path, required=True, help="where to write the results")
+
+    bandwidth = commands.add_parser("bandwidth", help="attention bytes per call vs context: full cache vs a budget")
+    _add_model_args(bandwidth)
+    bandwidth.add_argument("--max-tokens", type=int, default=8192, help="tokens of the corpus to stream (its first N)")
+    bandwidth.add_argument("--budget", type=parse_budget, default=0.25,
+                           help="device budget of the budgeted run: fraction of --max-tokens (0.25) or blocks per layer (64)")
+    bandwidth.add_argument("--chunk", type=int, default=64, help="tokens per forward step")
+    bandwidth.add_argument("--corpus", type=Path, default=None,
+                           help="UTF-8 text file, or a .json list of token ids (default: packaged eval/data/alice29.txt)")
+    bandwidth.add_argument("--host-blocks", type=int, default=0, help="host-tier blocks per layer (0: evicted blocks are dropped)")
+    bandwidth.add_argument("--out", type=Path, required=True, help="folder for bandwidth.csv/.png, evictions.jsonl, summary.json")
     return parser
 
 
@@ -160,9 +171,30 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bandwidth(args) -> int:
+    from cache.models import load_model
+    from eval.bandwidth import corpus_token_ids, default_corpus_path, run_bandwidth
+
+    if args.chunk < 1:
+        raise ValueError(f"--chunk {args.chunk}: tokens per forward step must be >= 1")
+    corpus = args.corpus if args.corpus is not None else default_corpus_path()
+    if not corpus.expanduser().is_file():
+        corpus_token_ids(corpus)  # raises the clear error before the model is loaded
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    summary = run_bandwidth(loaded.model, loaded.tokenizer, out_dir=args.out, max_tokens=args.max_tokens,
+                            budget=args.budget, chunk=args.chunk, corpus=args.corpus, host_blocks=args.host_blocks,
+                            model_name=args.model)
+    full, budgeted = summary["full"], summary["budgeted"]
+    print(f"full: R² {full['r2']}, slope {full['slope_bytes_per_token']:.1f} B/token, {full['wall_s']} s; "
+          f"budgeted ({budgeted['budget_blocks_per_layer']} blocks/layer): flat ratio {budgeted['flat_ratio']}, "
+          f"{budgeted['operations']} operations, {budgeted['wall_s']} s")
+    print(f"wrote {args.out}/bandwidth.csv, bandwidth.png, evictions.jsonl, summary.json")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench}
+    handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as err:

@@ -146,8 +146,8 @@ def test_prefetch_of_dropped_block_and_evict_of_evicted_block_are_refused(tiny_m
         cache.prefetch(0, 2)
     with pytest.raises(CacheOperationError, match="not on the device"):
         cache.evict(0, 2)
-    with pytest.raises(CacheOperationError, match="merge is not implemented"):
-        apply_decisions(cache, [Decision(0, 1, Op.MERGE)])
+    with pytest.raises(CacheOperationError, match="not on the device"):
+        apply_decisions(cache, [Decision(0, 2, Op.MERGE)])
     assert same(before, snapshot(cache))
 
 
