@@ -437,13 +437,15 @@ class PagedKVCache(Cache):
         heads = source_keys.shape[1]
         new_weight = target_weight.clone()
         new_weight.scatter_add_(1, nearest, source_weight)
+        # one index_add over (target token, head) rows: row t * heads + h
+        rows = (nearest * heads + torch.arange(heads)[:, None]).flatten()  # [kv_heads * s], head-major
         merged = {}
         for name, source, target in (("keys", source_keys, target_keys),
                                      ("values", values[source_slots].float(), values[target_slots].float())):
-            total = target * target_weight.T[..., None]  # [t, kv_heads, dim]
-            for h in range(heads):
-                total[:, h].index_add_(0, nearest[h], source[:, h] * source_weight[h, :, None])
-            merged[name] = total / new_weight.T[..., None]
+            total = (target * target_weight.T[..., None]).reshape(-1, target.shape[-1])  # [t * kv_heads, dim]
+            weighted = (source * source_weight.T[..., None]).transpose(0, 1).reshape(-1, source.shape[-1])
+            total.index_add_(0, rows, weighted)
+            merged[name] = total.view(target.shape) / new_weight.T[..., None]
         keys[target_slots] = merged["keys"].to(keys.dtype)
         values[target_slots] = merged["values"].to(values.dtype)
         weights[target_slots] = torch.log(new_weight).T

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="UTF-8 text file, or a .json list of token ids (default: packaged eval/data/alice29.txt)")
     bandwidth.add_argument("--host-blocks", type=int, default=0, help="host-tier blocks per layer (0: evicted blocks are dropped)")
     bandwidth.add_argument("--out", type=Path, required=True, help="folder for bandwidth.csv/.png, evictions.jsonl, summary.json")
+    bench_ops = bench_kinds.add_parser("ops", help="time per operation, CacheView cost, budgeted vs full decode")
+    _add_model_args(bench_ops)
+    bench_ops.add_argument("--contexts", type=parse_int_list, default=[4096, 8192])
+    bench_ops.add_argument("--budget", type=float, default=0.25)
+    bench_ops.add_argument("--decode-steps", type=int, default=16)
+    bench_ops.add_argument("--json", type=Path, required=True, help="where to write the results")
     return parser
 
 
@@ -157,12 +163,20 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from cache.benchmark import bench_cache
+    from cache.benchmark import bench_cache, bench_ops
     from cache.models import load_model
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.bench == "ops":
+        report = bench_ops(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts, budget=args.budget,
+                           decode_steps=args.decode_steps, progress=lambda row: print(json.dumps(row), flush=True))
+        return _write_report(report, args)
     report = bench_cache(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts,
                          decode_steps=args.decode_steps, prefill_repeats=args.prefill_repeats, progress=lambda row: print(json.dumps(row), flush=True))
+    return _write_report(report, args)
+
+
+def _write_report(report: dict, args) -> int:
     report["model"] = args.model
     report["device"] = args.device
     args.json.parent.mkdir(parents=True, exist_ok=True)
