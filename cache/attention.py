@@ -79,6 +79,6 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout: 
         allowed = causal_mask(q_len, kv_len, query.device, last_rows=window)
         stats_probs = _grouped_probs(query[:, :, -window:], key, scaling, allowed, bias)
         num_queries = window
-    paged_cache.last_query[layer] = query[0, :, -1]
+    paged_cache.record_query(layer, query[0, :, -1])
     paged_cache.record_attention(layer, stats_probs.sum(dim=(0, 1)), num_queries, 1.0 / heads)
     return output, None

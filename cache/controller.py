@@ -39,14 +39,17 @@ class CacheView:
     Built eagerly (cheap):
 
     - ``tier`` (int8 ``Tier``; ``DROPPED`` marks a cache miss: content gone), ``num_tokens``, ``pinned``;
-    - ``acc_mass``, ``recent_mass`` (float32), ``last_attended`` (int64, tokens seen; -1 = never);
+    - ``acc_mass``, ``recent_mass``, ``last_mass`` (float32; see ``BlockStats``), ``last_attended`` (int64,
+      tokens seen; -1 = never);
     - ``sentence_id`` ``[N]``: sentence index of the block's first token; ``sentence_boundary`` ``[N]``: the
       block holds a sentence end (from the tokenizer's punctuation tokens, when the runner has a tokenizer);
     - ``budget_blocks`` ``[L]``, ``pressure`` ``[L]`` (device blocks / budget), ``tier_occupancy`` ``[3]``
       (used / capacity of the device, host and disk pools over all layers; 0 for an absent tier).
 
     Computed on first access: ``mean_key``, ``key_min``, ``key_max`` (``[L, N, kv_heads, head_dim]``),
-    ``query_similarity`` and ``neighbour_similarity`` (``[L, N]``), ``legal_ops`` (``[L, N, 4]``).
+    ``last_query`` and ``sentence_query`` (``[L, heads, head_dim]``: the latest query; the mean query of
+    the sentence being generated), ``query_summary`` (``[L, kv_heads, head_dim]``), ``query_similarity``
+    and ``neighbour_similarity`` (``[L, N]``), ``legal_ops`` (``[L, N, 4]``).
     """
 
     cache: PagedKVCache
@@ -57,6 +60,7 @@ class CacheView:
     pinned: torch.Tensor
     acc_mass: torch.Tensor
     recent_mass: torch.Tensor
+    last_mass: torch.Tensor
     last_attended: torch.Tensor
     sentence_id: torch.Tensor
     sentence_boundary: torch.Tensor
@@ -83,6 +87,7 @@ class CacheView:
             pinned=pinned,
             acc_mass=stats.acc_mass[:, :n].clone(),
             recent_mass=stats.recent_mass[:, :n].clone(),
+            last_mass=stats.last_mass[:, :n].clone(),
             last_attended=stats.last_attended[:, :n].clone(),
             sentence_id=sentences_before,
             sentence_boundary=ends.any(dim=1),
@@ -138,13 +143,28 @@ class CacheView:
         return self._key_stat("max")
 
     @cached_property
+    def last_query(self) -> torch.Tensor | None:
+        """``[L, heads, head_dim]`` the latest query of every layer (None before the first forward)."""
+        if any(q is None for q in self.cache.last_query):
+            return None
+        return torch.stack([q.detach().float().cpu() for q in self.cache.last_query])
+
+    @cached_property
+    def sentence_query(self) -> torch.Tensor | None:
+        """``[L, heads, head_dim]`` mean query of the decode steps of the sentence being generated (SentenceKV's
+        sentence cache); None right after the prompt or a sentence end."""
+        sums = self.cache.sentence_query_sum
+        if self.cache.sentence_query_count == 0 or any(q is None for q in sums):
+            return None
+        return torch.stack([q.cpu() for q in sums]) / self.cache.sentence_query_count
+
+    @cached_property
     def query_summary(self) -> torch.Tensor | None:
         """``[L, kv_heads, head_dim]``: the latest query of each layer, averaged over each KV group."""
-        queries = self.cache.last_query
-        if self.mean_key is None or any(q is None for q in queries):
+        if self.mean_key is None or self.last_query is None:
             return None
-        kv_heads = self.mean_key.shape[2]
-        return torch.stack([q.detach().float().cpu().reshape(kv_heads, -1, q.shape[-1]).mean(dim=1) for q in queries])
+        num_layers, heads, dim = self.last_query.shape
+        return self.last_query.reshape(num_layers, self.mean_key.shape[2], -1, dim).mean(dim=2)
 
     @cached_property
     def query_similarity(self) -> torch.Tensor:

@@ -223,6 +223,9 @@ class PagedKVCache(Cache):
         # token-level facts the controller view summarises per block
         self.sentence_end = torch.zeros(self.max_blocks * self.block_size, dtype=torch.bool)
         self.last_query: list[torch.Tensor | None] = [None] * self.num_layers  # [heads, dim] of the latest query
+        # SentenceKV's sentence cache: sum of the decode queries of the sentence being generated, per layer
+        self.sentence_query_sum: list[torch.Tensor | None] = [None] * self.num_layers
+        self.sentence_query_count = 0
         self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
         self.operation_log: list[dict] = []
         super().__init__(layers=[self.layer_class(self, i) for i in range(self.num_layers)])
@@ -268,6 +271,23 @@ class PagedKVCache(Cache):
         self.stats.record_attention(block_mass.view(self.num_layers, self.max_blocks), num_queries,
                                     resident_blocks, self.tables.seen[0])
         self._pending_mass = [None] * self.num_layers
+        if num_queries == 1:
+            self.sentence_query_count += 1
+            if self.sentence_end[self.tables.seen[0] - 1]:  # that token closed a sentence: start a new one
+                self.sentence_query_count = 0
+                self.sentence_query_sum = [None] * self.num_layers
+        else:  # a prefill chunk: the generated sentence starts after the prompt
+            self.sentence_query_count = 0
+            self.sentence_query_sum = [None] * self.num_layers
+
+    def record_query(self, layer: int, query: torch.Tensor) -> None:
+        """Keep the latest query ``[heads, dim]`` of ``layer`` and, for decode steps, add it to the running
+        sum of the current sentence's queries."""
+        self.last_query[layer] = query
+        if self.sentence_query_sum[layer] is None:
+            self.sentence_query_sum[layer] = query.detach().float().clone()
+        else:
+            self.sentence_query_sum[layer].add_(query)
 
     def observe_tokens(self, start: int, sentence_end: torch.Tensor) -> None:
         """Record which tokens at positions ``start..`` end a sentence (the runner calls this; the cache

@@ -13,6 +13,8 @@ class BlockStats:
     """Statistics of every (layer, logical block).
 
     - ``acc_mass``: attention mass received, summed over every query that saw the block (H2O's score);
+    - ``last_mass``: the mass of the latest forward pass alone (its last ``stats_window`` queries in a
+      prefill chunk: SnapKV's observation window; the current query in a decode step: TOVA's score);
     - ``recent_mass``: the same, exponentially decayed by ``recent_decay`` per forward pass;
     - ``last_attended``: logical length of the sequence (tokens seen) when the block last received at least
       ``attended_share`` × the uniform share (1 / resident blocks) of a forward pass's attention; -1 if never;
@@ -32,6 +34,7 @@ class BlockStats:
         self.acc_mass = torch.zeros(num_layers, max_blocks)
         self.recent_mass = torch.zeros(num_layers, max_blocks)
         self.last_attended = torch.full((num_layers, max_blocks), -1, dtype=torch.int64)
+        self.last_mass = torch.zeros(num_layers, max_blocks)
         self.key_sum: torch.Tensor | None = None
         self.key_min: torch.Tensor | None = None
         self.key_max: torch.Tensor | None = None
@@ -61,6 +64,7 @@ class BlockStats:
         """Add one forward pass's attention mass ``[L, max_blocks]`` (summed over its ``num_queries``);
         ``resident_blocks`` ``[L]`` is each layer's number of device blocks."""
         self.acc_mass += block_mass
+        self.last_mass.copy_(block_mass)
         self.recent_mass.mul_(self.recent_decay).add_(block_mass)
         threshold = (self.attended_share * num_queries / resident_blocks.clamp(min=1))[:, None]
         self.last_attended.masked_fill_(block_mass >= threshold, seen)
@@ -74,6 +78,7 @@ class BlockStats:
     def reset(self) -> None:
         self.acc_mass.zero_()
         self.recent_mass.zero_()
+        self.last_mass.zero_()
         self.last_attended.fill_(-1)
         if self.key_sum is not None:
             self.key_sum.zero_()

@@ -24,7 +24,7 @@ def test_bench_cache_reports_interleaved_medians_and_agreement(tiny_model):
     assert [row["context"] for row in rows] == [64, 128]
     for row in rows:
         assert row["greedy_tokens_agree"] is True
-        assert row["ratio"] == round(row["paged_ms"] / row["dynamic_ms"], 3)
+        assert abs(row["ratio"] - row["paged_ms"] / row["dynamic_ms"]) < 0.01 * row["ratio"] + 0.002
 
 
 def test_bench_ops_reports_every_operation_and_decode_ratio(tiny_model):

@@ -118,3 +118,21 @@ def test_budget_invariant_under_random_operations(tiny_model, ops, budget):
     assert fallbacks >= 0
     with pytest.raises(ValueError):
         cache.enforce_budget(budgets, rule="bogus")
+
+
+@torch.no_grad()
+def test_sentence_query_is_the_mean_query_since_the_last_sentence_end(tiny_model):
+    cache = filled(tiny_model, tokens=40)
+    view = CacheView.from_cache(cache, [4, 4])
+    assert view.sentence_query is None  # right after the prompt
+    assert torch.equal(view.last_mass[0], cache.stats.last_mass[0, : view.num_blocks])
+    queries = []
+    for position, (token, ends) in enumerate([(7, False), (8, True), (9, False), (10, False)], start=40):
+        cache.observe_tokens(position, torch.tensor([ends]))
+        tiny_model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+        queries.append(cache.last_query[1].clone())
+    view = CacheView.from_cache(cache, [4, 4])
+    # the sentence being generated started after token 8: its queries are those of tokens 9 and 10
+    assert torch.allclose(view.sentence_query[1], (queries[2] + queries[3]) / 2, atol=1e-6)
+    # the decode step's mass is TOVA's score: one query's worth, spread over the blocks
+    assert abs(view.last_mass[0].sum().item() - 1.0) < 1e-5
