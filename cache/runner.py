@@ -97,7 +97,8 @@ class Runner:
         self.tokenizer = tokenizer
         self.cache_config = cache_config or CacheConfig()
         self.controller = controller if controller is not None else (EvictOldest() if budget is not None else None)
-        self.budget = budget
+        # a controller with ``full_cache = True`` (the FullCache baseline) runs without a budget
+        self.budget = None if getattr(controller, "full_cache", False) else budget
         self.prefill_chunk = prefill_chunk
         self.decide_every = decide_every
         self.fallback_rule = fallback_rule

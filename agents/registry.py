@@ -1,0 +1,70 @@
+"""Controllers by name, with parameters from ``configs/controllers/<name>.yaml`` and command-line overrides.
+
+A spec is ``name`` or ``name:key=value,key=value`` (values parsed as YAML: ``0.98``, ``true``, ``[1, 2]``).
+The same specs serve the CLI (``--controller h2o:recent_tokens=128``), the environment and the evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib import import_module
+from pathlib import Path
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "controllers"
+
+# name -> "module:Class"; modules are imported on first use
+CONTROLLERS: dict[str, str] = {
+    "full": "agents.baselines.full_cache:FullCache",
+    "fifo": "agents.baselines.streaming_llm:SlidingWindow",
+    "streamingllm": "agents.baselines.streaming_llm:StreamingLLM",
+    "lru": "agents.baselines.lru:LRU",
+}
+
+
+def register(name: str, target: str) -> None:
+    """Add a controller class under ``name`` (``target`` = ``"module:Class"``)."""
+    CONTROLLERS[name] = target
+
+
+def controller_class(name: str):
+    if name not in CONTROLLERS:
+        raise ValueError(f"unknown controller {name!r}: choose from {', '.join(sorted(CONTROLLERS))}")
+    module, _, cls = CONTROLLERS[name].partition(":")
+    return getattr(import_module(module), cls)
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"h2o:recent_tokens=128,heavy=0.5"`` → ``("h2o", {"recent_tokens": 128, "heavy": 0.5})``."""
+    name, _, rest = spec.strip().partition(":")
+    overrides = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"controller spec {spec!r}: expected key=value after ':', got {item!r}")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return name.strip().lower(), overrides
+
+
+def config_defaults(name: str) -> dict:
+    path = CONFIG_DIR / f"{name}.yaml"
+    if not path.is_file():
+        return {}
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of parameter names to values")
+    return data
+
+
+def make_controller(spec: str):
+    """Build a controller from a spec; YAML defaults first, then the spec's overrides."""
+    name, overrides = parse_spec(spec)
+    cls = controller_class(name)
+    params = {**config_defaults(name), **overrides}
+    fields = {field.name for field in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise ValueError(f"controller {name!r} has no parameter(s) {unknown}; "
+                         f"its parameters are {sorted(fields) or 'none'}")
+    return cls(**params)

@@ -1,0 +1,66 @@
+"""Properties every registered controller must have, on the tiny model: the budget is met by the controller's
+own decisions at every decision point (no fallback evictions), and only legal operations are requested."""
+
+import pytest
+import torch
+
+from agents.registry import CONTROLLERS, make_controller, parse_spec
+from cache.controller import CacheView, Op
+from cache.paged_cache import CacheConfig
+from cache.runner import Runner
+from cache.tiers import Tier
+
+
+class Checked:
+    """Wraps a controller: checks each decision list is legal and brings every layer within budget."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = 0
+        self.full_cache = getattr(inner, "full_cache", False)
+
+    def decide(self, view: CacheView):
+        decisions = self.inner.decide(view)
+        self.calls += 1
+        device = (view.tier == Tier.DEVICE).sum(dim=1).clone()
+        legal = view.legal_ops
+        seen = set()
+        for decision in decisions:
+            key = (decision.layer, decision.block)
+            assert key not in seen, f"two decisions for {key}"
+            seen.add(key)
+            assert legal[decision.layer, decision.block, decision.op], f"illegal {decision}"
+            if decision.op in (Op.EVICT, Op.MERGE):
+                device[decision.layer] -= 1
+            elif decision.op == Op.PREFETCH:
+                device[decision.layer] += 1
+        assert torch.all(device <= view.budget_blocks), f"over budget after decisions: {device} > {view.budget_blocks}"
+        return decisions
+
+
+@pytest.mark.parametrize("name", sorted(CONTROLLERS))
+def test_controller_meets_the_budget_itself_at_every_decision(tiny_model, name):
+    controller = Checked(make_controller(name))
+    runner = Runner(tiny_model, controller=controller, budget=5, prefill_chunk=32, decide_every=3,
+                    cache_config=CacheConfig(host_blocks=64))
+    result = runner.run(torch.randint(2, 256, (1, 200), generator=torch.Generator().manual_seed(0)),
+                        max_new_tokens=24, stop_at_eos=False)
+    if controller.full_cache:
+        assert result.budget_blocks is None and controller.calls == 0
+        assert result.blocks_per_tier["device"] == [-(-223 // 16)] * 2
+        return
+    assert controller.calls > 0
+    assert result.fallbacks == 0
+    assert max(result.blocks_per_tier["device"]) <= 5
+
+
+def test_spec_parsing_and_errors():
+    assert parse_spec("StreamingLLM:n_sink=32") == ("streamingllm", {"n_sink": 32})
+    assert make_controller("streamingllm:n_sink=32").n_sink == 32
+    assert make_controller("streamingllm").n_sink == 4  # from configs/controllers/streamingllm.yaml
+    with pytest.raises(ValueError, match="unknown controller 'h3o'"):
+        make_controller("h3o")
+    with pytest.raises(ValueError, match="has no parameter"):
+        make_controller("streamingllm:window=3")
+    with pytest.raises(ValueError, match="expected key=value"):
+        make_controller("streamingllm:32")
