@@ -20,6 +20,13 @@ CONTROLLERS: dict[str, str] = {
     "fifo": "agents.baselines.streaming_llm:SlidingWindow",
     "streamingllm": "agents.baselines.streaming_llm:StreamingLLM",
     "lru": "agents.baselines.lru:LRU",
+    "h2o": "agents.baselines.h2o:H2O",
+    "snapkv": "agents.baselines.snapkv:SnapKV",
+    "tova": "agents.baselines.tova:TOVA",
+    "sentencekv": "agents.baselines.sentencekv:SentenceKV",
+    "quest": "agents.baselines.quest:Quest",
+    "spindlekv": "agents.baselines.spindlekv:SpindleKV",
+    "oracle": "agents.baselines.oracle:Oracle",
 }
 
 
