@@ -3,7 +3,9 @@
 Subcommands:
   kvgym setup                      fetch and convert the default model (idempotent)
   kvgym generate [options]         run a prompt through the paged cache and print the text and cache state
+  kvgym bandwidth [options]        bytes per attention call vs context, full cache vs a budget (CSV, PNG, JSON)
   kvgym bench cache [options]      decode/prefill speed of the paged cache vs DynamicCache (JSON)
+  kvgym bench ops [options]        operation times, CacheView cost, budgeted vs full decode (JSON)
 """
 
 from __future__ import annotations
@@ -68,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="device budget: fraction of the run's tokens (0.25), blocks per layer (64), or 'full'")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--block-size", type=int, default=16)
+    generate.add_argument("--controller", default=None,
+                          help="cache policy by name with optional parameters, e.g. h2o or streamingllm:n_sink=32 "
+                               "(default: evict the oldest unpinned blocks when a budget is set)")
     generate.add_argument("--host-blocks", type=int, default=0, help="host-tier blocks per layer (0: evicted blocks are dropped)")
+    generate.add_argument("--disk-blocks", type=int, default=0, help="disk-tier blocks per layer (memory-mapped files)")
     generate.add_argument("--prefill-chunk", type=int, default=64)
     generate.add_argument("--decide-every", type=int, default=8, help="decode steps between controller decisions")
     generate.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -126,21 +132,26 @@ def cmd_generate(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from agents.registry import make_controller
     from cache.models import load_model
     from cache.paged_cache import CacheConfig
     from cache.runner import Runner
 
     text = args.prompt if args.prompt is not None else (
         args.prompt_file.read_text() if args.prompt_file else bundled_prompt())
+    controller = make_controller(args.controller) if args.controller else None
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     ids = _prompt_ids(loaded, text, chat=not args.no_chat)
-    runner = Runner(loaded.model, loaded.tokenizer,
-                    CacheConfig(block_size=args.block_size, host_blocks=args.host_blocks),
-                    budget=args.budget, prefill_chunk=args.prefill_chunk, decide_every=args.decide_every)
+    cache_config = CacheConfig(block_size=args.block_size, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks)
+    runner = Runner(loaded.model, loaded.tokenizer, cache_config, controller=controller, budget=args.budget,
+                    prefill_chunk=args.prefill_chunk, decide_every=args.decide_every)
     result = runner.run(ids, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    if result.cache is not None:
+        result.cache.close()
     console = Console()
-    console.print(f"[bold]model[/] {loaded.name}  [bold]prompt[/] {result.prompt_tokens} tokens  "
+    console.print(f"[bold]model[/] {loaded.name}  [bold]controller[/] {args.controller or 'built-in oldest-first'}  "
+                  f"[bold]prompt[/] {result.prompt_tokens} tokens  "
                   f"[bold]budget[/] {args.budget if args.budget is not None else 'full'}"
                   + (f" = {result.budget_blocks[0]} blocks/layer" if result.budget_blocks else ""))
     console.print("[bold]output:[/]")

@@ -68,3 +68,21 @@ def test_budget_parsing():
     assert parse_budget("full") is None
     with pytest.raises(Exception, match="fraction like 0.25"):
         parse_budget("lots")
+
+
+def test_generate_with_a_named_controller_and_tiers(tiny_checkpoint, tmp_path, capsys):
+    out_json = tmp_path / "run.json"
+    code = main(["generate", "--model", str(tiny_checkpoint), "--prompt", "The sky is blue. " * 30,
+                 "--budget", "4", "--controller", "streamingllm:n_sink=20", "--host-blocks", "2",
+                 "--disk-blocks", "2", "--max-new-tokens", "4", "--no-chat", "--json", str(out_json)])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads(out_json.read_text())
+    tiers = summary["blocks_per_tier_all_layers"]
+    assert tiers["host"] == 2 * 2 and tiers["disk"] == 2 * 2 and tiers["device"] <= 2 * 4
+    assert summary["fallbacks"] == 0
+    assert "streamingllm:n_sink=20" in capsys.readouterr().out
+
+
+def test_generate_rejects_an_unknown_controller(capsys):
+    assert main(["generate", "--controller", "h3o", "--prompt", "hi"]) == 2
+    assert "unknown controller 'h3o'" in capsys.readouterr().err
