@@ -69,7 +69,8 @@ def make_controller(spec: str):
     name, overrides = parse_spec(spec)
     cls = controller_class(name)
     params = {**config_defaults(name), **overrides}
-    fields = {field.name for field in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    fields = ({field.name for field in dataclasses.fields(cls) if field.init and not field.name.startswith("_")}
+              if dataclasses.is_dataclass(cls) else set())
     unknown = sorted(set(params) - fields)
     if unknown:
         raise ValueError(f"controller {name!r} has no parameter(s) {unknown}; "

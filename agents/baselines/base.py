@@ -41,3 +41,27 @@ def recent_blocks(view: CacheView, recent_tokens: int) -> torch.Tensor:
     """Bool ``[N]``: blocks that hold any of the last ``recent_tokens`` positions."""
     last_position = view.first_position + view.num_tokens.max(dim=0).values - 1
     return last_position >= view.seen - recent_tokens
+
+
+def make_resident(view: CacheView, layer: int, priority: list[int] | torch.Tensor) -> list[Decision]:
+    """Decisions that make ``layer``'s device set its pinned blocks plus the first blocks of ``priority`` that fit
+    in the layer's budget (dropped blocks and repeats skipped): evict every other device block, prefetch the
+    chosen host/disk ones.
+
+    Order: the prefetches that fit in the device pool's free slots first (each frees a host slot, so an eviction
+    that follows lands on the host instead of being dropped when the host is full), then the evictions, then the
+    prefetches that need the room those free.
+    """
+    tier = view.tier[layer].tolist()
+    chosen = dict.fromkeys(torch.nonzero(view.pinned[layer]).flatten().tolist())  # an ordered set
+    budget = int(view.budget_blocks[layer])
+    for block in priority.tolist() if isinstance(priority, torch.Tensor) else priority:
+        if len(chosen) >= budget:
+            break
+        if tier[block] != Tier.DROPPED:
+            chosen.setdefault(block)
+    evictions = [block for block, where in enumerate(tier) if where == Tier.DEVICE and block not in chosen]
+    prefetches = [block for block in chosen if tier[block] in (Tier.HOST, Tier.DISK)]
+    free = view.cache.device_pool(layer).allocator.num_free if view.cache.pools[layer] else 0
+    return (evict(layer, prefetches[:free], Op.PREFETCH) + evict(layer, evictions)
+            + evict(layer, prefetches[free:], Op.PREFETCH))
