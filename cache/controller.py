@@ -44,7 +44,11 @@ class CacheView:
     - ``sentence_id`` ``[N]``: sentence index of the block's first token; ``sentence_boundary`` ``[N]``: the
       block holds a sentence end (from the tokenizer's punctuation tokens, when the runner has a tokenizer);
     - ``budget_blocks`` ``[L]``, ``pressure`` ``[L]`` (device blocks / budget), ``tier_occupancy`` ``[3]``
-      (used / capacity of the device, host and disk pools over all layers; 0 for an absent tier).
+      (used / capacity of the device, host and disk pools over all layers; 0 for an absent tier),
+      ``device_free`` ``[L]`` (free device-pool blocks per layer);
+    - ``forward_tokens`` (tokens fed by the latest forward: 1 in a decode step, the chunk size in prefill),
+      ``forward_queries`` (queries behind ``last_mass``), ``sentence_length`` (decode steps of the sentence
+      being generated, the count behind ``sentence_query``).
 
     Computed on first access: ``mean_key``, ``key_min``, ``key_max`` (``[L, N, kv_heads, head_dim]``),
     ``last_query`` and ``sentence_query`` (``[L, heads, head_dim]``: the latest query; the mean query of
@@ -67,6 +71,10 @@ class CacheView:
     budget_blocks: torch.Tensor
     pressure: torch.Tensor
     tier_occupancy: torch.Tensor
+    device_free: torch.Tensor
+    forward_tokens: int
+    forward_queries: int
+    sentence_length: int
 
     @classmethod
     def from_cache(cls, cache: PagedKVCache, budget_blocks: list[int]) -> CacheView:
@@ -94,6 +102,11 @@ class CacheView:
             budget_blocks=budget,
             pressure=device.float() / budget.clamp(min=1).float(),
             tier_occupancy=cache.tier_occupancy(),
+            device_free=torch.tensor([cache.device_pool(layer).allocator.num_free if cache.pools[layer] else 0
+                                      for layer in range(cache.num_layers)]),
+            forward_tokens=cache.last_forward_tokens,
+            forward_queries=cache.last_forward_queries,
+            sentence_length=cache.sentence_query_count,
         )
 
     @property
@@ -194,9 +207,7 @@ class CacheView:
         legal[..., Op.KEEP] = True
         legal[..., Op.EVICT] = on_device & ~self.pinned
         legal[..., Op.MERGE] = legal[..., Op.EVICT] & (self.device_blocks() > 1)[:, None]
-        free = torch.tensor([self.cache.device_pool(layer).allocator.num_free if self.cache.pools[layer] else 0
-                             for layer in range(self.num_layers)])
-        legal[..., Op.PREFETCH] = ((self.tier == Tier.HOST) | (self.tier == Tier.DISK)) & (free > 0)[:, None]
+        legal[..., Op.PREFETCH] = ((self.tier == Tier.HOST) | (self.tier == Tier.DISK)) & (self.device_free > 0)[:, None]
         return legal
 
 

@@ -107,6 +107,8 @@ class PagedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         cache, layer = self.cache, self.layer_idx
         num_new = key_states.shape[-2]
+        if layer == 0:
+            cache.last_forward_tokens = num_new
         pool = cache.device_pool(layer)
         previous = self.resident
         if num_new == 1:  # decode step: Python-int fast path
@@ -226,6 +228,8 @@ class PagedKVCache(Cache):
         # SentenceKV's sentence cache: sum of the decode queries of the sentence being generated, per layer
         self.sentence_query_sum: list[torch.Tensor | None] = [None] * self.num_layers
         self.sentence_query_count = 0
+        self.last_forward_tokens = 0  # tokens fed by the latest forward pass (1 = a decode step)
+        self.last_forward_queries = 0  # queries whose attention went into the latest statistics
         self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
         self.operation_log: list[dict] = []
         super().__init__(layers=[self.layer_class(self, i) for i in range(self.num_layers)])
@@ -271,6 +275,7 @@ class PagedKVCache(Cache):
         self.stats.record_attention(block_mass.view(self.num_layers, self.max_blocks), num_queries,
                                     resident_blocks, self.tables.seen[0])
         self._pending_mass = [None] * self.num_layers
+        self.last_forward_queries = num_queries
         if num_queries == 1:
             self.sentence_query_count += 1
             if self.sentence_end[self.tables.seen[0] - 1]:  # that token closed a sentence: start a new one

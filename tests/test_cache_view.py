@@ -136,3 +136,14 @@ def test_sentence_query_is_the_mean_query_since_the_last_sentence_end(tiny_model
     assert torch.allclose(view.sentence_query[1], (queries[2] + queries[3]) / 2, atol=1e-6)
     # the decode step's mass is TOVA's score: one query's worth, spread over the blocks
     assert abs(view.last_mass[0].sum().item() - 1.0) < 1e-5
+
+
+@torch.no_grad()
+def test_view_reports_the_latest_forward_and_free_blocks(tiny_model):
+    cache = filled(tiny_model, tokens=40)
+    view = CacheView.from_cache(cache, [4, 4])
+    assert (view.forward_tokens, view.forward_queries, view.sentence_length) == (40, 40, 0)
+    assert view.device_free.tolist() == [cache.device_pool(0).num_blocks - 3] * 2
+    tiny_model(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True)
+    view = CacheView.from_cache(cache, [4, 4])
+    assert (view.forward_tokens, view.forward_queries, view.sentence_length) == (1, 1, 1)

@@ -1,13 +1,12 @@
 """Integration tests on the real default model (SmolLM2-135M-Instruct, converted by `kvgym setup`)."""
 
-import random
-
 import pytest
 import torch
 from transformers import DynamicCache
 
 from cache.paged_cache import PagedKVCache
 from cache.runner import Runner
+from eval.tasks.passkey import passkey_sample, score_passkey
 
 pytestmark = pytest.mark.integration
 
@@ -38,28 +37,12 @@ def test_1000_token_prompt_and_100_greedy_tokens_match_dynamic_cache(smollm2, al
     assert (logits - ref_logits).abs().max().item() < 1e-3  # fp32; decode attention is computed explicitly
 
 
-def passkey_prompt(tokenizer, target_tokens: int, passkey: int, depth: float) -> str:
-    """Landmark-attention / Quest passkey format: filler, the key at ``depth``, then the question."""
-    prefix = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-              "I will quiz you about the important information there.")
-    filler = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
-    needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
-    question = "What is the pass key? The pass key is"
-    per_filler = len(tokenizer(filler).input_ids)
-    fixed = len(tokenizer(prefix + needle + question).input_ids)
-    repeats = max((target_tokens - fixed) // per_filler, 1)
-    before = int(repeats * depth)
-    return prefix + " " + filler * before + needle + filler * (repeats - before) + question
-
-
 def test_passkey_retrieval_at_2k_with_the_full_paged_cache(smollm2):
-    rng = random.Random(0)
-    passkey = rng.randint(1, 50000)
-    prompt = passkey_prompt(smollm2.tokenizer, 2000, passkey, depth=0.4)
-    ids = smollm2.tokenizer(prompt).input_ids
+    sample = passkey_sample(smollm2.tokenizer, 2000, seed=0, depth=0.4)
+    ids = smollm2.tokenizer(sample.prompt).input_ids
     assert 1900 <= len(ids) <= 2100
     result = Runner(smollm2.model, smollm2.tokenizer, prefill_chunk=256).run(ids, max_new_tokens=8)
-    assert str(passkey) in result.text, result.text
+    assert score_passkey(result.text, sample.answer), result.text
 
 
 @torch.no_grad()

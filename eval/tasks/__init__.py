@@ -1,0 +1,1 @@
+"""Long-horizon tasks: seeded, offline generators of prompts with gold answers."""
