@@ -62,6 +62,6 @@ def make_resident(view: CacheView, layer: int, priority: list[int] | torch.Tenso
             chosen.setdefault(block)
     evictions = [block for block, where in enumerate(tier) if where == Tier.DEVICE and block not in chosen]
     prefetches = [block for block in chosen if tier[block] in (Tier.HOST, Tier.DISK)]
-    free = view.cache.device_pool(layer).allocator.num_free if view.cache.pools[layer] else 0
+    free = int(view.device_free[layer])
     return (evict(layer, prefetches[:free], Op.PREFETCH) + evict(layer, evictions)
             + evict(layer, prefetches[free:], Op.PREFETCH))

@@ -88,7 +88,7 @@ class SentenceKV:
         recent = torch.nonzero(recent_blocks(view, self.recent_tokens)).flatten().flip(0)
         protected = torch.cat([sink, recent])
         prefill = round(float(view.last_mass[0].sum())) > 1
-        cold = view.sentence_query is None or view.cache.sentence_query_count <= self.length_threshold
+        cold = view.sentence_query is None or view.sentence_length <= self.length_threshold
         decisions = []
         for layer in range(view.num_layers):
             if prefill:
