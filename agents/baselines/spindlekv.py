@@ -33,10 +33,10 @@ SECONDARY); the reference code was not available. Block mapping of the two per-t
   the similarities are recomputed from ``view.mean_key`` with the same formula so that a picked block stops
   counting as a neighbour of later picks (two duplicates do not both go). Approximations: similarity is of
   block-mean post-RoPE keys (KV heads concatenated), not per-token pre-RoPE keys, so a block passing the
-  test may hold tokens below θ_K (the merge folds them anyway: the runner's merge takes no threshold, and ``merge(min_similarity)``
-  would refuse a block where no token reaches it); values are not checked (the merge has no θ_V); and
-  merging is budget-driven (only as many blocks as the layer is over budget), whereas the paper
-  compresses every vector above the threshold. Whatever merging cannot free is evicted by the deep-layer
+  test may hold tokens below θ_K (the merge folds them anyway: the runner's merge takes no threshold,
+  and ``merge(min_similarity)`` would refuse a block where no token reaches it); values are not checked
+  (the merge has no θ_V); and merging is budget-driven (only as many blocks as the layer is over budget),
+  whereas the paper compresses every vector above the threshold. Whatever merging cannot free is evicted by the deep-layer
   score. Merges come first in the decision list, then evictions. Measured on SmolLM2-135M (1,024 tokens of
   prose): no block-mean pair reaches 0.98 in any layer while most reach 0.9 (block means share a dominant
   direction), so with the paper's θ_K the shallow layers in practice evict; lower ``key_threshold`` to merge.
