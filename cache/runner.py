@@ -111,9 +111,19 @@ class Runner:
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor | list[int], max_new_tokens: int = 64, do_sample: bool = False,
             temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-            keep_logits: bool = False) -> RunResult:
+            keep_logits: bool = False, forced_tokens: list[int] | None = None) -> RunResult:
+        """Prefill ``input_ids`` in chunks, then decode up to ``max_new_tokens``.
+
+        ``forced_tokens`` teacher-forces the continuation: those tokens are fed (and returned as
+        ``new_tokens``) instead of the model's picks, so ``keep_logits`` gives the model's distribution at
+        every position of a fixed text; ``max_new_tokens`` is then its length.
+        """
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
         prompt_len = ids.shape[1]
+        if forced_tokens is not None:
+            if len(forced_tokens) == 0:
+                raise ValueError("forced_tokens: give at least one token to teacher-force")
+            max_new_tokens, stop_at_eos = len(forced_tokens), False
         total = prompt_len + max_new_tokens
         if prompt_len == 0:
             raise ValueError("input_ids: the prompt is empty")
@@ -140,7 +150,7 @@ class Runner:
             self._decision_point(cache, budget, state)
         prefill_s = time.perf_counter() - start
         logits = out.logits[0, -1].float()
-        token = self._pick(logits, do_sample, temperature, top_p, generator)
+        token = forced_tokens[0] if forced_tokens else self._pick(logits, do_sample, temperature, top_p, generator)
         ttft_s = time.perf_counter() - start
 
         eos = self._eos_ids() if stop_at_eos else set()
@@ -154,7 +164,8 @@ class Runner:
             out = self.model(input_ids=fed, cache=cache, use_cache=True)
             step_bytes.append(sum(cache.last_bytes_read))
             logits = out.logits[0, -1].float()
-            token = self._pick(logits, do_sample, temperature, top_p, generator)
+            token = (forced_tokens[step] if forced_tokens
+                     else self._pick(logits, do_sample, temperature, top_p, generator))
             if step % self.decide_every == 0 or self._over_budget(cache, budget):
                 self._decision_point(cache, budget, state)
             step_times.append(time.perf_counter() - step_start)

@@ -169,3 +169,14 @@ def test_enforce_budget_lowest_mass_rule(tiny_model):
     assert cache.tables.blocks_in(1, Tier.DEVICE).tolist() == [0, 3, 5]
     with pytest.raises(ValueError, match="unknown fallback rule"):
         cache.enforce_budget([4, 4], rule="random")
+
+
+def test_teacher_forcing_feeds_the_given_tokens_and_keeps_their_logits(tiny_model):
+    ids, forced = ids_of(50), [5, 6, 7, 8, 9]
+    result = Runner(tiny_model).run(ids, forced_tokens=forced, keep_logits=True)
+    assert result.new_tokens == forced and len(result.logits) == 5
+    cache = DynamicCache(config=tiny_model.config)
+    with torch.no_grad():
+        out = tiny_model(input_ids=torch.cat([ids, torch.tensor([forced[:-1]])], dim=1), cache=cache, use_cache=True)
+    expected = out.logits[0, -5:]
+    assert (torch.stack(result.logits) - expected).abs().max().item() < 1e-4

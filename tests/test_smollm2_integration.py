@@ -7,6 +7,7 @@ from transformers import DynamicCache
 from cache.paged_cache import PagedKVCache
 from cache.runner import Runner
 from eval.tasks.passkey import passkey_sample, score_passkey
+from tests.test_paged_equivalence import greedy_loop
 
 pytestmark = pytest.mark.integration
 
@@ -16,23 +17,11 @@ def prose_ids(tokenizer, text, length):
     return torch.tensor([ids[1000 : 1000 + length]])
 
 
-@torch.no_grad()
-def greedy(model, cache, ids, steps):
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    logits = [out.logits[0, -1]]
-    tokens = [int(logits[-1].argmax())]
-    for _ in range(steps - 1):
-        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-        logits.append(out.logits[0, -1])
-        tokens.append(int(logits[-1].argmax()))
-    return tokens, torch.stack(logits)
-
-
 def test_1000_token_prompt_and_100_greedy_tokens_match_dynamic_cache(smollm2, alice_text):
     model = smollm2.model
     ids = prose_ids(smollm2.tokenizer, alice_text, 1000)
-    ref_tokens, ref_logits = greedy(model, DynamicCache(config=model.config), ids, 100)
-    tokens, logits = greedy(model, PagedKVCache(model.config), ids, 100)
+    ref_tokens, ref_logits = greedy_loop(model, DynamicCache(config=model.config), ids, 100)
+    tokens, logits = greedy_loop(model, PagedKVCache(model.config), ids, 100)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max().item() < 1e-3  # fp32; decode attention is computed explicitly
 
