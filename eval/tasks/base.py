@@ -52,3 +52,17 @@ def register_task(name: str):
         TASKS[name] = generator
         return generator
     return decorator
+
+
+def get_task(name: str) -> Callable[..., Sample]:
+    """The generator registered as ``name``, importing ``eval.tasks.<name>`` on first use."""
+    if name not in TASKS:
+        from importlib import import_module
+
+        try:
+            import_module(f"eval.tasks.{name}")
+        except ModuleNotFoundError:
+            pass
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}: registered tasks are {sorted(TASKS) or 'none'}")
+    return TASKS[name]
