@@ -1,0 +1,290 @@
+"""The Gymnasium environment over the live paged KV cache."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from cache.controller import CacheView, apply_decisions
+from cache.paged_cache import CacheConfig, PagedKVCache
+from cache.runner import budget_blocks
+from cache.tiers import Tier
+from kvgym.envs.observation import Encoded, action_space, decode_action, encode, observation_space
+
+
+@dataclass
+class Reference:
+    """The full cache's next-token log-probabilities for one task sample, computed once and reused."""
+
+    prompt_ids: list[int]
+    prefill_logprobs: list[torch.Tensor]  # per prefill chunk: [positions, vocab] at its last kl_positions
+    decode_logprobs: torch.Tensor  # [steps, vocab]
+    tokens: list[int]
+
+
+def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    """Sum over positions of KL(reference || softmax(logits)); ``reference`` holds log-probabilities."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return float((reference.exp() * (reference - logprobs)).sum())
+
+
+class PagedKVCacheEnv(gym.Env):
+    """
+    ## Description
+
+    A live, paged KV cache decoding a Llama-family model on a long-horizon task. At each decision point the
+    agent sees up to ``K`` candidate blocks (offloaded blocks most similar to the current query, and device
+    blocks with the least accumulated attention) and chooses an operation for each. After its choice the
+    cache enforces every layer's device budget with a fallback rule (lowest accumulated attention), counted
+    in ``info["fallbacks"]``. Decision points: after every prefill chunk, every ``decide_every`` decode
+    steps, and whenever a layer goes over its budget.
+
+    ## Action Space
+
+    ``MultiDiscrete([4] * K)``: per candidate slot, 0 keep, 1 evict (to host, else disk, else dropped),
+    2 merge (fold into the most similar kept tokens), 3 prefetch (host/disk → device). Masks come from
+    ``action_masks()`` (flat ``[K * 4]`` bool, for sb3-contrib) and ``info["action_mask"]`` (``[K, 4]``
+    int8); keep is always legal; a masked op is ignored (acts as keep) and counted in ``info["illegal_ops"]``.
+
+    ## Observation Space
+
+    ``Dict`` of flat float32 boxes:
+
+    | key | shape | content |
+    |---|---|---|
+    | `layer_pressure` | (L,) | device blocks / budget, per layer |
+    | `tier_occupancy` | (3,) | used / capacity of the device, host, disk pools |
+    | `blocks` | (K * 12,) | per slot: valid, layer depth, age, log1p acc. mass, log1p recent mass, similarity to the query summary, similarity to the nearest neighbour, tier one-hot (3), sentence boundary, pinned |
+    | `globals` | (3,) | progress (tokens processed / total), budget fraction, bytes moved / full-cache bytes |
+
+    ## Rewards
+
+    Per step: ``-(KL)`` summed over the step's scored tokens, where KL is between the full cache's and this
+    cache's next-token distributions (prefill: the last ``kl_positions`` positions of each chunk; decode:
+    every step, against the full cache's distribution at the same step), ``- lambda_bytes`` × MB moved
+    between tiers, and at the end ``+ lambda_task`` × the task score of the generated answer. Components are
+    in ``info`` (``kl``, ``bytes_moved``, ``task_score``). The full-cache reference is computed once per
+    sample and cached.
+
+    ## Starting State
+
+    A task sample drawn with the env's RNG from ``tasks`` × ``lengths``, a budget fraction drawn uniformly
+    from ``budget_range``; the first prefill chunk has been processed.
+
+    ## Episode End
+
+    ``terminated`` when the answer is generated (``max_new_tokens`` or EOS); ``truncated`` only by a
+    ``TimeLimit`` wrapper (``gym.make`` adds one).
+
+    ## Arguments
+
+    ``model``/``tokenizer`` (objects, or ``model`` as a name for ``cache.models.load_model``), ``tasks``,
+    ``lengths``, ``budget_range``, ``num_candidates`` (K, 32), ``prefill_chunk`` (64), ``decide_every`` (8),
+    ``max_new_tokens`` (None: the sample's), ``kl_positions`` (8), ``lambda_bytes`` (0.01 per MB),
+    ``lambda_task`` (1.0), ``host_blocks`` (None: room for the whole context), ``chat`` (False),
+    ``render_mode`` (``"ansi"`` | ``"rgb_array"``).
+
+    ## Version History
+
+    * v0: initial version (live mode).
+    """
+
+    metadata = {"render_modes": ["ansi", "rgb_array"], "render_fps": 4}
+
+    def __init__(self, model="smollm2-135m", tokenizer=None, tasks=("passkey",), lengths=(1024,),
+                 budget_range=(0.125, 0.5), num_candidates: int = 32, prefill_chunk: int = 64,
+                 decide_every: int = 8, max_new_tokens: int | None = None, kl_positions: int = 8,
+                 lambda_bytes: float = 0.01, lambda_task: float = 1.0, host_blocks: int | None = None,
+                 chat: bool = False, render_mode: str | None = None):
+        if isinstance(model, str):
+            from cache.models import load_model
+
+            loaded = load_model(model)
+            model, tokenizer = loaded.model, loaded.tokenizer
+        if tokenizer is None:
+            raise ValueError("tokenizer: a tokenizer is needed to build task prompts (pass one with the model)")
+        low, high = budget_range
+        if not 0.0 < low <= high <= 1.0:
+            raise ValueError(f"budget_range {budget_range!r}: need 0 < low <= high <= 1")
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode {render_mode!r}: use one of {self.metadata['render_modes']}")
+        from eval.tasks.base import get_task
+
+        self.generators = {task: get_task(task) for task in tasks}
+        self.model, self.tokenizer = model, tokenizer
+        self.tasks, self.lengths, self.budget_range = list(tasks), list(lengths), (low, high)
+        self.num_candidates, self.prefill_chunk, self.decide_every = num_candidates, prefill_chunk, decide_every
+        self.max_new_tokens, self.kl_positions = max_new_tokens, kl_positions
+        self.lambda_bytes, self.lambda_task = lambda_bytes, lambda_task
+        self.host_blocks, self.chat, self.render_mode = host_blocks, chat, render_mode
+        self.num_layers = model.config.num_hidden_layers
+        self.observation_space = observation_space(self.num_layers, num_candidates)
+        self.action_space = action_space(num_candidates)
+        self._references: OrderedDict = OrderedDict()
+        self.cache: PagedKVCache | None = None
+        self._encoded: Encoded | None = None
+
+    # ------------------------------------------------------------------ episode plumbing
+    def _prompt_ids(self, sample) -> list[int]:
+        if self.chat and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": sample.input}],
+                                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+            return list(ids) + (self.tokenizer(sample.answer_prefix).input_ids if sample.answer_prefix else [])
+        ids = self.tokenizer(sample.prompt).input_ids
+        return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+    @torch.no_grad()
+    def _reference(self, key, prompt_ids: list[int], new_tokens: int) -> Reference:
+        if key in self._references:
+            self._references.move_to_end(key)
+            return self._references[key]
+        cache = PagedKVCache(self.model.config, CacheConfig(max_tokens=len(prompt_ids) + new_tokens + 1))
+        ids = torch.tensor([prompt_ids])
+        prefill = []
+        for start in range(0, len(prompt_ids), self.prefill_chunk):
+            out = self.model(input_ids=ids[:, start : start + self.prefill_chunk], cache=cache, use_cache=True,
+                             logits_to_keep=self.kl_positions)
+            prefill.append(torch.log_softmax(out.logits[0].float(), dim=-1))
+        token = int(prefill[-1][-1].argmax())
+        tokens, decode = [], []
+        for _ in range(new_tokens):
+            tokens.append(token)
+            out = self.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+            decode.append(torch.log_softmax(out.logits[0, -1].float(), dim=-1))
+            token = int(decode[-1].argmax())
+        reference = Reference(prompt_ids, prefill, torch.stack(decode) if decode else torch.empty(0), tokens)
+        self._references[key] = reference
+        while len(self._references) > 4:
+            self._references.popitem(last=False)
+        return reference
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        rng = self.np_random
+        task = self.tasks[int(rng.integers(len(self.tasks)))]
+        length = self.lengths[int(rng.integers(len(self.lengths)))]
+        sample_seed = int(rng.integers(2**31 - 1))
+        self.sample = self.generators[task](self.tokenizer, length, sample_seed, 0)
+        self.budget_fraction = float(rng.uniform(*self.budget_range))
+        self.prompt_ids = self._prompt_ids(self.sample)
+        self.new_tokens = self.max_new_tokens or self.sample.max_new_tokens
+        total = len(self.prompt_ids) + self.new_tokens
+        if total > self.model.config.max_position_embeddings:
+            raise ValueError(f"task {task} at length {length} needs {total} positions; the model has "
+                             f"{self.model.config.max_position_embeddings}")
+        self.reference = self._reference((task, length, sample_seed), self.prompt_ids, self.new_tokens)
+        blocks_total = -(-total // 16)
+        host = self.host_blocks if self.host_blocks is not None else blocks_total
+        self.cache = PagedKVCache(self.model.config, CacheConfig(max_tokens=total + 1, host_blocks=host))
+        self.budget = budget_blocks(self.budget_fraction, total, 16, self.num_layers, 2)
+        self.total_tokens = total
+        self.chunk_index, self.generated, self.done = 0, [], False
+        self.next_token: int | None = None
+        self.bytes_moved_total = 0
+        kl = self._advance()
+        return self._observe(), self._info(kl=kl, bytes_moved=0, fallbacks=0, task_score=0.0, ops={},
+                                           within_budget=True, illegal_ops=0)
+
+    @torch.no_grad()
+    def _advance(self) -> float:
+        """Run to the next decision point; returns the KL accumulated on the way."""
+        kl = 0.0
+        if self.chunk_index * self.prefill_chunk < len(self.prompt_ids):
+            start = self.chunk_index * self.prefill_chunk
+            chunk = torch.tensor([self.prompt_ids[start : start + self.prefill_chunk]])
+            out = self.model(input_ids=chunk, cache=self.cache, use_cache=True, logits_to_keep=self.kl_positions)
+            reference = self.reference.prefill_logprobs[self.chunk_index]
+            kl += _kl(reference, out.logits[0, -reference.shape[0]:])
+            self.chunk_index += 1
+            if self.chunk_index * self.prefill_chunk >= len(self.prompt_ids):
+                self.next_token = int(out.logits[0, -1].argmax())
+            return kl
+        for _ in range(self.decide_every):
+            step = len(self.generated)
+            self.generated.append(self.next_token)
+            if step + 1 >= self.new_tokens or self._is_eos(self.next_token):
+                self.done = True
+                return kl
+            out = self.model(input_ids=torch.tensor([[self.next_token]]), cache=self.cache, use_cache=True)
+            kl += _kl(self.reference.decode_logprobs[step : step + 1], out.logits[0, -1:])
+            self.next_token = int(out.logits[0, -1].argmax())
+            if any(self.cache.tables.count_in(layer, Tier.DEVICE) > self.budget[layer]
+                   for layer in range(self.num_layers)):
+                break
+        return kl
+
+    def _is_eos(self, token: int) -> bool:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return eos is not None and token == eos
+
+    def _observe(self) -> dict[str, np.ndarray]:
+        view = CacheView.from_cache(self.cache, self.budget)
+        processed = self.cache.seen / self.total_tokens
+        full_bytes = self.total_tokens * self.cache.bytes_per_token * self.num_layers
+        self._encoded = encode(view, self.num_candidates, processed, self.budget_fraction,
+                               self.bytes_moved_total / max(full_bytes, 1))
+        return self._encoded.observation
+
+    def _info(self, **values) -> dict:
+        return {**values, "action_mask": self._encoded.mask.astype(np.int8), "budget_fraction": self.budget_fraction,
+                "seen": self.cache.seen, "device_blocks": int(sum(self.cache.blocks_per_tier()["device"]))}
+
+    def action_masks(self) -> np.ndarray:
+        """Flat ``[K * 4]`` bool mask of legal ops (sb3-contrib's ``MaskablePPO`` calls this)."""
+        return self._encoded.mask.reshape(-1).copy()
+
+    def step(self, action):
+        if self.cache is None:
+            raise RuntimeError("call reset() before step()")
+        if self.done:
+            raise RuntimeError("the episode has ended; call reset()")
+        assert self.action_space.contains(np.asarray(action, dtype=np.int64)), f"invalid action {action!r}"
+        decisions, illegal = decode_action(action, self._encoded)
+        moved_before = sum(self.cache.bytes_moved.values())
+        ops = apply_decisions(self.cache, decisions)
+        fallbacks = self.cache.enforce_budget(self.budget)
+        within_budget = all(self.cache.tables.count_in(layer, Tier.DEVICE) <= self.budget[layer]
+                            for layer in range(self.num_layers))
+        moved = sum(self.cache.bytes_moved.values()) - moved_before
+        self.bytes_moved_total += moved
+        kl = self._advance()
+        task_score = 0.0
+        if self.done:
+            task_score = self._task_score()
+        reward = -kl - self.lambda_bytes * moved / 2**20 + self.lambda_task * task_score
+        observation = self._observe()
+        info = self._info(kl=kl, bytes_moved=moved, fallbacks=fallbacks, task_score=task_score, ops=ops,
+                          within_budget=within_budget, illegal_ops=illegal)
+        return observation, float(reward), self.done, False, info
+
+    def _task_score(self) -> float:
+        if self.sample.metric == "kl":
+            return 0.0
+        from eval.scoring import score
+
+        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        return float(score(self.sample, text))
+
+    # ------------------------------------------------------------------ render
+    def render(self):
+        if self.render_mode is None:
+            gym.logger.warn("render() called without a render_mode; pass render_mode='ansi' or 'rgb_array'")
+            return None
+        n = self.cache.num_logical_blocks()
+        tiers = self.cache.tables.tier[:, :n]
+        if self.render_mode == "ansi":
+            symbols = {int(Tier.DEVICE): "D", int(Tier.HOST): "h", int(Tier.DISK): "d", int(Tier.DROPPED): "."}
+            rows = [f"L{layer:02d} " + "".join(symbols.get(int(t), "?") for t in tiers[layer])
+                    for layer in range(self.num_layers)]
+            return "\n".join(rows) + f"\nseen {self.cache.seen} tokens, budget {self.budget[0]} blocks/layer\n"
+        colours = np.array([[46, 204, 113], [52, 152, 219], [155, 89, 182], [40, 40, 40]], np.uint8)
+        image = colours[tiers.clamp(min=0).numpy()]
+        return np.repeat(np.repeat(image, 4, axis=0), 4, axis=1)
+
+    def close(self):
+        if self.cache is not None:
+            self.cache.close()
