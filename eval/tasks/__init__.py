@@ -1,1 +1,18 @@
-"""Long-horizon tasks: seeded, offline generators of prompts with gold answers."""
+"""Long-horizon tasks: seeded, offline generators of prompts with gold answers.
+
+Importing this package registers every task in :data:`eval.tasks.base.TASKS`
+(``name -> generator(tokenizer, length, seed, index) -> Sample``): passkey, niah_single, niah_multikey,
+niah_multivalue, niah_multiquery, vt, fwe, research, text.
+"""
+
+from eval.tasks import fwe, niah, passkey, research, text, vt  # noqa: F401  (registration)
+from eval.tasks.base import TASKS, Sample, register_task
+
+__all__ = ["TASKS", "Sample", "register_task", "generate"]
+
+
+def generate(name: str, tokenizer, length: int, seed: int = 0, index: int = 0) -> Sample:
+    """One sample of task ``name``."""
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
+    return TASKS[name](tokenizer, length, seed, index)
