@@ -6,6 +6,8 @@ Subcommands:
   kvgym bandwidth [options]        bytes per attention call vs context, full cache vs a budget (CSV, PNG, JSON)
   kvgym bench cache [options]      decode/prefill speed of the paged cache vs DynamicCache (JSON)
   kvgym bench ops [options]        operation times, CacheView cost, budgeted vs full decode (JSON)
+  kvgym eval [options]             tasks × lengths × controllers × budgets vs the full cache (JSONL, CSV, MD, PNG)
+  kvgym traces build [options]     full-cache attention traces of task samples for the replay env (.pt + index.json)
 """
 
 from __future__ import annotations
@@ -109,7 +111,78 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ops.add_argument("--budget", type=float, default=0.25)
     bench_ops.add_argument("--decode-steps", type=int, default=16)
     bench_ops.add_argument("--json", type=Path, required=True, help="where to write the results")
+
+    evaluation = commands.add_parser(
+        "eval", help="accuracy, KL and bytes of controllers × budgets on the task suite, against the full cache")
+    _add_model_args(evaluation)
+    evaluation.add_argument("--controllers", default="lru,sentencekv,spindlekv,h2o,full",
+                            help="comma-separated controller specs (parameters stay with their spec: "
+                                 "lru,h2o:heavy_ratio=0.25,recent_ratio=0.25); the full cache always runs as the reference")
+    evaluation.add_argument("--budgets", default="0.125,0.25,0.5",
+                            help="comma-separated device budgets, fractions in (0, 1] of each run's tokens")
+    evaluation.add_argument("--tasks", default=None,
+                            help="comma-separated task names (default: passkey,niah_single,vt,research,text; "
+                                 "with --tasks-file and no --tasks: only the file)")
+    evaluation.add_argument("--lengths", default="2048,4096", help="comma-separated target prompt lengths in tokens")
+    evaluation.add_argument("--n", type=int, default=20, help="samples per task and length")
+    evaluation.add_argument("--seed", type=int, default=0, help="draws the samples (another seed: fresh samples)")
+    evaluation.add_argument("--tasks-file", type=Path, default=None,
+                            help="JSONL of your own samples: input, answer_prefix, outputs, metric per line")
+    evaluation.add_argument("--host-blocks", type=int, default=512,
+                            help="host-tier blocks per layer (default 512 = 8k tokens: evicted blocks stay "
+                                 "fetchable, which retrieval policies such as sentencekv and quest need; "
+                                 "0: evicted blocks are dropped)")
+    evaluation.add_argument("--prefill-chunk", type=int, default=64)
+    evaluation.add_argument("--decide-every", type=int, default=8, help="decode steps between controller decisions")
+    evaluation.add_argument("--no-chat", action="store_true", help="do not wrap the prompts in the chat template")
+    evaluation.add_argument("--no-plots", action="store_true", help="write the tables only")
+    evaluation.add_argument("--out", type=Path, required=True,
+                            help="folder for samples.jsonl, summary.csv/.md and the plots (reruns resume)")
+
+    traces = commands.add_parser("traces", help="full-cache attention traces for the replay env")
+    trace_kinds = traces.add_subparsers(dest="traces", required=True)
+    traces_build = trace_kinds.add_parser("build", help="record task samples' full-cache traces (.pt + index.json)")
+    _add_model_args(traces_build)
+    traces_build.add_argument("--tasks", default="passkey,niah_single", help="comma-separated task names")
+    traces_build.add_argument("--lengths", type=parse_int_list, default=[1024, 2048],
+                              help="comma-separated target prompt lengths in tokens")
+    traces_build.add_argument("--n", type=int, default=10, help="samples per task and length")
+    traces_build.add_argument("--seed", type=int, default=0, help="draws the samples")
+    traces_build.add_argument("--prefill-chunk", type=int, default=64,
+                              help="tokens per prefill forward (the replay env's prefill_chunk must be a multiple)")
+    traces_build.add_argument("--max-new-tokens", type=int, default=None, help="default: each sample's own")
+    traces_build.add_argument("--chat", action="store_true", help="wrap the prompts in the chat template")
+    traces_build.add_argument("--out", type=Path, required=True,
+                              help="folder for <task>_<length>_<index>.pt and index.json (reruns resume)")
     return parser
+
+
+DEFAULT_EVAL_TASKS = "passkey,niah_single,vt,research,text"
+
+
+def cmd_eval(args) -> int:
+    from cache import models
+    from eval.harness import check_inputs, evaluate, read_tasks_file, task_generator
+
+    tasks = args.tasks if args.tasks is not None else (None if args.tasks_file else DEFAULT_EVAL_TASKS)
+    # everything that can be checked without the model is checked before loading it
+    _, _, task_list, _ = check_inputs(args.controllers, args.budgets, tasks, args.lengths, args.n)
+    for task in task_list:
+        task_generator(task)
+    if args.tasks_file is not None:
+        read_tasks_file(args.tasks_file)
+    loaded = models.load_model(args.model, device=args.device, dtype=args.dtype)
+    rows = evaluate(loaded.model, loaded.tokenizer, args.controllers, args.budgets, tasks, args.lengths, args.n,
+                    args.seed, args.out, tasks_file=args.tasks_file, chat=not args.no_chat,
+                    host_blocks=args.host_blocks, prefill_chunk=args.prefill_chunk, decide_every=args.decide_every,
+                    model_name=args.model, plots=not args.no_plots)
+    failed = sorted({(r["task"], r["length"]) for r in rows if r["full_cache_failed"]})
+    print((args.out / "summary.md").read_text())
+    if failed:
+        print("the full cache scores 0 on: " + ", ".join(f"{t} @ {n}" for t, n in failed), file=sys.stderr)
+    print(f"wrote {args.out}/samples.jsonl, summary.csv, summary.md"
+          + ("" if args.no_plots else ", accuracy_vs_budget.png, bytes_vs_context.png"))
+    return 0
 
 
 def cmd_setup(args) -> int:
@@ -217,9 +290,26 @@ def cmd_bandwidth(args) -> int:
     return 0
 
 
+def cmd_traces(args) -> int:
+    from cache.models import load_model
+    from eval.tasks.base import get_task
+    from kvgym.envs.traces import build_traces
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    for task in tasks:
+        get_task(task)  # an unknown task fails before the model is loaded
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    entries = build_traces(loaded.model, loaded.tokenizer, tasks, args.lengths, args.n, args.seed, args.out,
+                           prefill_chunk=args.prefill_chunk, max_new_tokens=args.max_new_tokens, chat=args.chat,
+                           model_name=args.model)
+    print(f"wrote {len(entries)} traces and index.json to {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth}
+    handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth,
+                "eval": cmd_eval, "traces": cmd_traces}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as err:

@@ -1,0 +1,540 @@
+"""The evaluation harness: tasks × lengths × samples, each run with the full cache and every controller × budget.
+
+``evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n, seed, out_dir)`` writes into ``out_dir``:
+
+- ``samples.jsonl``: one JSON object per run (``RECORD_FIELDS``), appended and flushed as each run ends;
+- ``summary.csv`` / ``summary.md``, ``accuracy_vs_budget.png``, ``bytes_vs_context.png`` (``eval/report.py``);
+- ``eval_config.json``: the settings that change what a run computes (model, chat, tiers, chunking); a
+  rerun into the same folder with different settings is refused.
+
+Design:
+
+- **Samples.** Sample ``index`` of ``task`` at ``length`` comes from the task's registered generator
+  (``eval.tasks.base.TASKS``; ``eval.tasks.<name>`` is imported on first use) with the seed
+  ``sample_seed(seed, task, length, index)``: the first 31 bits of sha256 of ``"seed:task:length:index"``.
+  The same ``seed`` gives the same samples on every machine and Python; another ``seed`` gives fresh ones.
+- **Prompt.** ``ids = chat(sample.input) + tokens(sample.answer_prefix)``: the tokenizer's chat template
+  around the input as the user turn, with the generation prompt, then the answer prefix (without special
+  tokens) opening the assistant's reply. With ``chat=False`` (or a tokenizer without a chat template) the
+  ids are ``tokenizer(sample.input + sample.answer_prefix)``. Natural-text samples (metric ``kl``) are
+  never wrapped: their prompt is plain text and the continuation is teacher-forced after it.
+- **Runs.** For each sample the full cache runs first (the reference: it calibrates accuracy and gives the
+  reference logits), then every controller at every budget (``full`` once, recorded with budget 1.0; it is
+  always run, whether or not ``controllers`` names it). A fresh controller is built per run from its
+  registry spec; ``oracle`` is built per sample from a full-cache trace of the same tokens
+  (``Oracle.from_run``; for teacher-forced samples the trace follows the forced continuation). Decoding is
+  greedy, stopping at EOS or after ``sample.max_new_tokens``.
+- **Scores.** Answer tasks: ``eval.scoring.score(sample, text)``. Natural text (metric ``kl``): the
+  continuation (``continuation_ids``: its tokens as they follow the prompt in running text) is
+  teacher-forced (``Runner.run(forced_tokens=...)``) and ``score`` is the top-1 accuracy
+  of the model's next-token prediction over it; ``perplexity`` is recorded as well.
+- **KL.** ``kl = KL(P_full || P_controller)`` in nats of the next-token distributions at the first generated
+  position (both runs have seen the same prompt; only the cache differs). For natural text it is the mean
+  over every teacher-forced position. The full cache's own ``kl`` is 0.
+- **Costs.** ``bytes_read_per_token``: attention bytes read per decode step (all layers, the runner's
+  mean); ``bytes_moved_per_token``: bytes moved between tiers over the whole run (prefill + decode) per
+  generated token; ``decode_ms_per_token`` and ``ttft_ms`` are wall times (not deterministic).
+- **Resuming.** A run whose key ``(controller, budget, task, length, index, seed)`` is already in
+  ``samples.jsonl`` is skipped; a sample none of whose runs are missing is not even generated. When only
+  some of a sample's runs are missing, the full-cache reference is run again (deterministic) for its logits
+  but not written twice. A truncated last line (an interrupted write) is dropped with a warning; any other
+  unreadable line is an error naming it.
+- **Custom samples** (``tasks_file``): one JSON object per line (``read_tasks_file``); the task name is the
+  file's stem, ``index`` the sample's position in the file (blank lines skipped), ``length`` the prompt's
+  token count rounded up to a power of two (the bucket the tables group by; ``prompt_tokens`` keeps the
+  exact count) and ``seed`` the run's seed (it draws nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+import pkgutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FULL = "full"
+FULL_BUDGET = 1.0
+CUSTOM_METRICS = ("string_match_all", "string_match_part", "exact")
+KEY_FIELDS = ("controller", "budget", "task", "length", "index", "seed")
+RECORD_FIELDS = KEY_FIELDS + (
+    "sample_seed", "metric", "prompt_tokens", "new_tokens", "text", "score", "kl", "perplexity",
+    "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token", "ttft_ms", "fallbacks",
+    "budget_blocks", "operations",
+)
+TIMING_FIELDS = ("decode_ms_per_token", "ttft_ms")
+TASKS_FILE_KEYS = {"input": "required", "outputs": "required", "metric": "required", "answer_prefix": "optional",
+                   "max_new_tokens": "optional"}
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def sample_seed(seed: int, task: str, length: int, index: int) -> int:
+    """The seed of one sample: stable across processes and machines (not Python's salted ``hash``). The
+    length is left out on purpose: the generators then put the same needles and questions at every length,
+    so results pair across lengths."""
+    digest = hashlib.sha256(f"{seed}:{task}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def _import_all_task_modules() -> None:
+    import eval.tasks as package
+
+    for module in pkgutil.iter_modules(package.__path__):
+        if module.name == "base":
+            continue
+        try:
+            importlib.import_module(f"eval.tasks.{module.name}")
+        except Exception as err:  # a broken module must not hide the others from the list
+            warnings.warn(f"eval.tasks.{module.name} failed to import: {err}", stacklevel=3)
+
+
+def available_tasks() -> list[str]:
+    """Every registered task name (imports all of ``eval/tasks``)."""
+    from eval.tasks.base import TASKS
+
+    _import_all_task_modules()
+    return sorted(TASKS)
+
+
+def task_generator(name: str):
+    """The registered generator of ``name``: ``eval.tasks.<name>`` is imported first, then every task module."""
+    from eval.tasks.base import TASKS
+
+    if name not in TASKS:
+        try:
+            importlib.import_module(f"eval.tasks.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"eval.tasks.{name}":
+                raise
+    if name not in TASKS:
+        tasks = available_tasks()
+        if name not in TASKS:
+            raise ValueError(f"--tasks: unknown task {name!r}: choose from {', '.join(tasks) or '(none registered)'}")
+    return TASKS[name]
+
+
+def split_specs(text: str) -> list[str]:
+    """``"lru,h2o:heavy_ratio=0.25,recent_ratio=0.25,full"`` → ``["lru", "h2o:heavy_ratio=0.25,recent_ratio=0.25", "full"]``:
+    a comma-separated piece with ``=`` and no ``:`` is a parameter of the spec before it."""
+    specs: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if "=" in piece and ":" not in piece and specs:
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
+
+
+def _as_list(value, flag: str) -> list:
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    value = list(value)
+    if not value:
+        raise ValueError(f"{flag}: the list is empty; give at least one value")
+    return value
+
+
+def check_inputs(controllers, budgets, tasks, lengths, n, max_positions: int | None = None):
+    """Normalise and validate; errors name the command-line flag. Returns (specs, budgets, tasks, lengths)."""
+    from agents.registry import make_controller, parse_spec
+
+    specs = split_specs(controllers) if isinstance(controllers, str) else [str(c).strip() for c in controllers]
+    if not specs:
+        raise ValueError("--controllers: the list is empty; give at least one controller (e.g. lru,h2o,full)")
+    for spec in specs:
+        make_controller(spec)  # the registry's error for an unknown name or parameter
+    names = [parse_spec(spec)[0] for spec in specs]
+    specs = [FULL if name == FULL else spec for spec, name in zip(specs, names, strict=True)]
+    specs = list(dict.fromkeys(specs))
+
+    budget_list = []
+    for value in _as_list(budgets, "--budgets"):
+        try:
+            budget = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"--budgets: {value!r} is not a number; give fractions in (0, 1] like 0.25") from None
+        if not 0.0 < budget <= 1.0 or math.isnan(budget):
+            raise ValueError(f"--budgets: {value!r} is outside (0, 1]; a budget is a fraction of the run's tokens")
+        budget_list.append(budget)
+    budget_list = sorted(set(budget_list))
+
+    task_list = list(dict.fromkeys(str(t).strip() for t in _as_list(tasks, "--tasks"))) if tasks is not None else []
+
+    length_list = []
+    for value in _as_list(lengths, "--lengths") if tasks is not None else []:
+        try:
+            length = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"--lengths: {value!r} is not an integer token count") from None
+        if length <= 0:
+            raise ValueError(f"--lengths: {value!r} must be a positive token count")
+        if max_positions is not None and length >= max_positions:
+            raise ValueError(f"--lengths: {length} tokens leave no room to answer within the model's "
+                             f"{max_positions} positions")
+        length_list.append(length)
+    length_list = list(dict.fromkeys(length_list))
+
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"--n: the number of samples per task and length must be a positive integer, got {n!r}")
+    return specs, budget_list, task_list, length_list
+
+
+def read_tasks_file(path: str | Path) -> list[dict]:
+    """Parse a JSONL file of user samples; a malformed line raises ``ValueError("F.jsonl line 3: ...")``.
+
+    Each non-blank line is an object with ``input`` (non-empty string), ``outputs`` (non-empty list of
+    strings), ``metric`` (string_match_all | string_match_part | exact) and optionally ``answer_prefix``
+    (string, default "") and ``max_new_tokens`` (positive integer, default 32). Other keys are refused (a
+    misspelt key would otherwise be ignored). Blank lines are skipped.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--tasks-file: {str(path)!r} does not exist or is not a file")
+    entries = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+
+            def bad(message, number=number):
+                return ValueError(f"{path.name} line {number}: {message}")
+
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise bad(f"not valid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(item, dict):
+                raise bad(f"expected a JSON object, got {type(item).__name__}")
+            unknown = sorted(set(item) - set(TASKS_FILE_KEYS))
+            if unknown:
+                raise bad(f"unknown key(s) {unknown}; the keys are {', '.join(TASKS_FILE_KEYS)}")
+            missing = [k for k, need in TASKS_FILE_KEYS.items() if need == "required" and k not in item]
+            if missing:
+                raise bad(f"missing key(s) {missing}")
+            if not isinstance(item["input"], str) or not item["input"].strip():
+                raise bad("'input' must be a non-empty string")
+            prefix = item.get("answer_prefix", "")
+            if not isinstance(prefix, str):
+                raise bad("'answer_prefix' must be a string (may be empty)")
+            outputs = item["outputs"]
+            if (not isinstance(outputs, list) or not outputs
+                    or not all(isinstance(o, str) and o.strip() for o in outputs)):
+                raise bad("'outputs' must be a non-empty list of non-empty strings (the gold answers)")
+            if item["metric"] not in CUSTOM_METRICS:
+                raise bad(f"'metric' {item['metric']!r} is not one of {', '.join(CUSTOM_METRICS)}")
+            max_new = item.get("max_new_tokens", 32)
+            if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new <= 0:
+                raise bad(f"'max_new_tokens' must be a positive integer, got {max_new!r}")
+            entries.append({"input": item["input"], "answer_prefix": prefix, "outputs": list(outputs),
+                            "metric": item["metric"], "max_new_tokens": max_new, "line": number})
+    if not entries:
+        raise ValueError(f"--tasks-file: {path.name} holds no samples")
+    return entries
+
+
+def length_bucket(tokens: int) -> int:
+    """The power of two at or above ``tokens`` (custom samples are grouped by it)."""
+    return 1 << max(int(tokens) - 1, 0).bit_length()
+
+
+# ---------------------------------------------------------------- prompts and metrics
+
+
+def encode(tokenizer, text: str, special: bool = True) -> list[int]:
+    """Token ids of ``text``; ``special=False`` adds no BOS/EOS (for text appended to a prompt)."""
+    ids = tokenizer(text).input_ids if special else tokenizer(text, add_special_tokens=False).input_ids
+    return list(ids.tolist() if hasattr(ids, "tolist") else ids)
+
+
+def prompt_ids(tokenizer, sample, chat: bool = True) -> list[int]:
+    """``chat(sample.input) + tokens(sample.answer_prefix)``, or ``tokens(sample.prompt)`` without chat."""
+    if chat and sample.metric != "kl" and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": sample.input}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+        if sample.answer_prefix:
+            ids += encode(tokenizer, sample.answer_prefix, special=False)
+        return ids
+    return encode(tokenizer, sample.prompt)
+
+
+def continuation_ids(tokenizer, sample) -> list[int]:
+    """The tokens of ``sample.continuation`` as they follow the prompt in running text:
+    ``tokens(prompt + continuation)[len(tokens(prompt)):]`` when the prompt's tokens are a prefix of the
+    joint ones (the usual case at a word boundary), else the continuation tokenized on its own."""
+    prompt = encode(tokenizer, sample.prompt)
+    joint = encode(tokenizer, sample.prompt + sample.continuation)
+    if joint[: len(prompt)] == prompt and len(joint) > len(prompt):
+        return joint[len(prompt):]
+    return encode(tokenizer, sample.continuation, special=False)
+
+
+def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``KL(softmax(reference) || softmax(other))`` in nats along the last dimension (float64)."""
+    log_p = torch.log_softmax(reference.double().cpu(), dim=-1)
+    log_q = torch.log_softmax(other.double().cpu(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp_min(0.0)
+
+
+def score_sample(sample, text: str) -> float:
+    from eval.scoring import score
+
+    return float(score(sample, text))
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class _Work:
+    task: str
+    length: int
+    index: int
+    sample: object | None = None  # custom samples are made up front; task samples on demand
+
+
+class _Context:
+    def __init__(self, model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every):
+        from cache.paged_cache import CacheConfig
+        from cache.sentences import sentence_end_token_ids
+
+        self.model, self.tokenizer, self.chat = model, tokenizer, chat
+        self.cache_config = CacheConfig(block_size=block_size, host_blocks=host_blocks)
+        self.prefill_chunk, self.decide_every = prefill_chunk, decide_every
+        # the vocabulary scan is done once here rather than by every Runner
+        self.sentence_end_ids = sentence_end_token_ids(tokenizer) if hasattr(tokenizer, "get_vocab") else None
+
+    def runner(self, controller, budget):
+        from cache.runner import Runner
+
+        runner = Runner(self.model, None, self.cache_config, controller=controller, budget=budget,
+                        prefill_chunk=self.prefill_chunk, decide_every=self.decide_every)
+        runner.tokenizer, runner.sentence_end_ids = self.tokenizer, self.sentence_end_ids
+        return runner
+
+    def run(self, controller, budget, ids, sample, forced):
+        runner = self.runner(controller, budget)
+        result = runner.run(ids, max_new_tokens=sample.max_new_tokens, keep_logits=True, forced_tokens=forced)
+        if result.cache is not None:
+            result.cache.close()
+            result.cache = None
+        return result
+
+    def oracle(self, spec, ids, sample, forced):
+        from agents.baselines.oracle import TraceRecorder
+        from agents.registry import make_controller
+        from cache.paged_cache import CacheConfig
+        from cache.runner import Runner
+
+        oracle = make_controller(spec)
+        config = CacheConfig(**{**self.cache_config.__dict__,
+                                "stats_window": max(self.cache_config.stats_window, self.prefill_chunk)})
+        total = len(ids) + (len(forced) if forced else sample.max_new_tokens)
+        recorder = TraceRecorder()
+        runner = Runner(self.model, None, config, controller=recorder,
+                        budget=max(-(-total // config.block_size), config.sink_blocks + 1),
+                        prefill_chunk=self.prefill_chunk, decide_every=1)
+        runner.sentence_end_ids = self.sentence_end_ids
+        result = runner.run(ids, max_new_tokens=sample.max_new_tokens, forced_tokens=forced)
+        if result.cache is not None:
+            result.cache.close()
+        oracle.trace = recorder.trace(result.new_tokens)
+        return oracle
+
+
+def _record(key: dict, sample, sample_seed_value, result, reference, forced, text) -> dict:
+    if forced is not None:
+        logits = torch.stack([t.cpu() for t in result.logits])
+        targets = torch.tensor(forced[: len(logits)])
+        log_probs = torch.log_softmax(logits.double(), dim=-1)
+        nll = -log_probs.gather(1, targets[:, None]).squeeze(1)
+        score = float((logits.argmax(dim=-1) == targets).double().mean())
+        perplexity = float(torch.exp(nll.mean()))
+        ref = torch.stack([t.cpu() for t in reference.logits])
+        kl = float(kl_divergence(ref, logits).mean())
+    else:
+        score = score_sample(sample, text)
+        perplexity = None
+        kl = float(kl_divergence(reference.logits[0], result.logits[0]))
+    moved = sum(result.bytes_moved.values()) if result.bytes_moved else 0
+    generated = max(len(result.new_tokens), 1)
+    return {
+        **key, "sample_seed": sample_seed_value, "metric": sample.metric, "prompt_tokens": result.prompt_tokens,
+        "new_tokens": len(result.new_tokens), "text": None if forced is not None else text,
+        "score": score, "kl": kl, "perplexity": perplexity,
+        "bytes_read_per_token": float(result.bytes_read_per_token),
+        "bytes_moved_per_token": moved / generated,
+        "decode_ms_per_token": round(result.decode_ms_per_token, 3), "ttft_ms": round(1000 * result.ttft_s, 3),
+        "fallbacks": result.fallbacks,
+        "budget_blocks": result.budget_blocks[0] if result.budget_blocks else None,
+        "operations": {k: v for k, v in sorted(result.operations.items()) if v},
+    }
+
+
+def record_key(record: dict) -> tuple:
+    return (str(record["controller"]), float(record["budget"]), str(record["task"]), int(record["length"]),
+            int(record["index"]), int(record["seed"]))
+
+
+def load_records(path: Path) -> dict[tuple, dict]:
+    """Records already in ``samples.jsonl`` by key; a truncated last line is dropped (file rewritten)."""
+    if not path.is_file():
+        return {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records: dict[tuple, dict] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            key = record_key(record)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            if number == len(lines) and not path.read_text(encoding="utf-8").endswith("\n"):
+                warnings.warn(f"{path}: dropping the truncated last line {number} (an interrupted write)", stacklevel=2)
+                path.write_text("".join(f"{kept}\n" for kept in lines[: number - 1] if kept.strip()), encoding="utf-8")
+                break
+            raise ValueError(f"{path} line {number}: not a sample record ({err}); fix or remove the line") from None
+        records[key] = record
+    return records
+
+
+def _check_config(out: Path, config: dict) -> None:
+    path = out / "eval_config.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        changed = {k: (old.get(k), v) for k, v in config.items() if old.get(k) != v}
+        if changed:
+            details = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            raise ValueError(f"{out} holds results made with other settings ({details}); use a fresh --out")
+    else:
+        path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, seed: int, out_dir: str | Path, *,
+             tasks_file: str | Path | None = None, chat: bool = True, host_blocks: int = 0, block_size: int = 16,
+             prefill_chunk: int = 64, decide_every: int = 8, model_name: str | None = None,
+             progress: bool = True, plots: bool = True) -> list[dict]:
+    """Run the evaluation (see the module docstring) and write the files; returns the summary rows.
+
+    ``controllers`` are registry specs (a list, or one comma-separated string), ``budgets`` fractions in
+    (0, 1], ``tasks`` registered task names (``None``: only ``tasks_file``), ``lengths`` target prompt
+    lengths in tokens, ``n`` samples per task and length.
+    """
+    from tqdm import tqdm
+
+    from eval import report
+
+    max_positions = int(getattr(model.config, "max_position_embeddings", 0)) or None
+    if tasks is None and tasks_file is None:
+        raise ValueError("--tasks: give at least one task, or a --tasks-file")
+    specs, budget_list, task_list, length_list = check_inputs(controllers, budgets, tasks, lengths, n, max_positions)
+    if host_blocks < 0:
+        raise ValueError(f"--host-blocks: must be >= 0, got {host_blocks}")
+    if prefill_chunk < 1 or decide_every < 1:
+        raise ValueError(f"--prefill-chunk and --decide-every must be >= 1, got {prefill_chunk}, {decide_every}")
+    generators = {task: task_generator(task) for task in task_list}
+
+    work: list[_Work] = [_Work(task, length, index) for task in task_list for length in length_list
+                         for index in range(n)]
+    if tasks_file is not None:
+        from eval.tasks.base import Sample
+
+        stem = Path(tasks_file).stem
+        if stem in task_list:
+            raise ValueError(f"--tasks-file: its task name {stem!r} (the file's stem) is also in --tasks; rename the file")
+        for index, entry in enumerate(read_tasks_file(tasks_file)):
+            sample = Sample(task=stem, length=0, seed=seed, index=index, input=entry["input"],
+                            answer_prefix=entry["answer_prefix"], outputs=entry["outputs"], metric=entry["metric"],
+                            max_new_tokens=entry["max_new_tokens"], meta={"line": entry["line"]})
+            sample.length = length_bucket(len(prompt_ids(tokenizer, sample, chat)))
+            work.append(_Work(stem, sample.length, index, sample))
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    _check_config(out, {"model": name, "chat": chat, "host_blocks": host_blocks, "block_size": block_size,
+                        "prefill_chunk": prefill_chunk, "decide_every": decide_every})
+    samples_path = out / "samples.jsonl"
+    done = load_records(samples_path)
+
+    runs = [(FULL, FULL_BUDGET)] + [(spec, budget) for spec in specs if spec != FULL for budget in budget_list]
+    keys_of = {id(item): [(spec, budget, item.task, item.length, item.index, seed) for spec, budget in runs]
+               for item in work}
+    wanted = [key for item in work for key in keys_of[id(item)]]
+    context = None
+    bar = tqdm(total=len(wanted), desc="kvgym eval", unit="run", **({} if progress else {"disable": True}))
+    try:
+        with open(samples_path, "a", encoding="utf-8") as sink:
+            for item in work:
+                keys = keys_of[id(item)]
+                missing = [key for key in keys if key not in done]
+                bar.update(len(keys) - len(missing))
+                if not missing:
+                    continue
+                if context is None:
+                    context = _Context(model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every)
+                _run_sample(context, item, generators, seed, runs, done, sink, bar)
+    finally:
+        bar.close()
+
+    records = [done[key] for key in wanted]
+    return report.write_report(records, out, plots=plots)
+
+
+def _run_sample(context: _Context, item: _Work, generators: dict, seed: int, runs, done: dict, sink, bar) -> None:
+    from agents.registry import make_controller, parse_spec
+
+    sample_seed_value = sample_seed(seed, item.task, item.length, item.index) if item.sample is None else None
+    sample = item.sample
+    if sample is None:
+        sample = generators[item.task](context.tokenizer, item.length, sample_seed_value, item.index)
+    where = f"task {item.task} length {item.length} sample {item.index}"
+    if sample.metric == "kl":
+        if not sample.continuation:
+            raise ValueError(f"{where}: a 'kl' sample needs a continuation to teacher-force")
+        forced = continuation_ids(context.tokenizer, sample)
+        if not forced:
+            raise ValueError(f"{where}: the continuation has no tokens")
+        sample.max_new_tokens = len(forced)
+    else:
+        forced = None
+    ids = prompt_ids(context.tokenizer, sample, context.chat)
+    oracles: dict[str, object] = {}  # one trace per sample, shared by every budget
+    try:
+        reference = context.run(None, None, ids, sample, forced)
+    except ValueError as err:
+        raise ValueError(f"{where}, full cache: {err}") from None
+    for spec, budget in runs:
+        key = (spec, budget, item.task, item.length, item.index, seed)
+        if key in done:
+            continue
+        bar.set_postfix_str(f"{item.task}/{item.length}/{item.index} {spec}@{budget:g}", refresh=False)
+        if spec == FULL:
+            result = reference
+        else:
+            try:
+                if parse_spec(spec)[0] == "oracle":
+                    if spec not in oracles:
+                        oracles[spec] = context.oracle(spec, ids, sample, forced)
+                    controller = oracles[spec]
+                else:
+                    controller = make_controller(spec)
+                result = context.run(controller, budget, ids, sample, forced)
+            except ValueError as err:
+                raise ValueError(f"{where}, controller {spec} at budget {budget:g}: {err}") from None
+        text = result.text if result.text is not None else ""
+        record = _record(dict(zip(KEY_FIELDS, key, strict=True)), sample, sample_seed_value, result, reference, forced,
+                         text)
+        sink.write(json.dumps(record) + "\n")
+        sink.flush()
+        done[key] = record
+        bar.update(1)

@@ -1,0 +1,224 @@
+"""Tables and plots of an evaluation: ``summary.csv``, ``summary.md``, ``accuracy_vs_budget.png``, ``bytes_vs_context.png``.
+
+One summary row per (controller, budget, task, length) over the samples run: ``n``, ``accuracy`` (mean
+score), ``rel_accuracy`` (accuracy / the full cache's accuracy on the same samples; empty when the full
+cache scores 0, and then ``full_cache_failed`` is 1), and the means of ``kl``, ``bytes_read_per_token``,
+``bytes_moved_per_token``, ``decode_ms_per_token`` and ``ttft_ms``. The full cache has one row per task and
+length, with budget 1.0. ``summary.md`` holds the same table, flags the groups where the full cache fails,
+and adds the mean over tasks of ``rel_accuracy`` per controller and budget, which leaves those groups out
+(and says so) rather than averaging them in.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections import defaultdict
+from pathlib import Path
+
+SUMMARY_COLUMNS = ("controller", "budget", "task", "length", "n", "accuracy", "rel_accuracy", "kl",
+                   "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token", "ttft_ms",
+                   "full_cache_failed")
+MEAN_FIELDS = ("kl", "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token", "ttft_ms")
+FULL = "full"
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values if v is not None]
+    return sum(values) / len(values) if values else math.nan
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Summary rows (numbers, not strings), ordered by task, length, controller (first seen), budget."""
+    order = {"task": {}, "controller": {}}
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    full_scores: dict[tuple, float] = {}
+    for record in records:
+        for field in order:
+            order[field].setdefault(record[field], len(order[field]))
+        groups[(record["controller"], float(record["budget"]), record["task"], int(record["length"]))].append(record)
+        if record["controller"] == FULL:
+            full_scores[(record["task"], int(record["length"]), int(record["index"]))] = float(record["score"])
+    rows = []
+    for (controller, budget, task, length), group in groups.items():
+        accuracy = _mean(r["score"] for r in group)
+        reference = [full_scores.get((task, length, int(r["index"]))) for r in group]
+        full_accuracy = _mean(reference) if all(v is not None for v in reference) else math.nan
+        failed = not math.isnan(full_accuracy) and full_accuracy == 0.0
+        rel = accuracy / full_accuracy if not math.isnan(full_accuracy) and full_accuracy > 0 else math.nan
+        row = {"controller": controller, "budget": budget, "task": task, "length": length, "n": len(group),
+               "accuracy": accuracy, "rel_accuracy": rel, "full_cache_failed": int(failed),
+               "full_accuracy": full_accuracy, "metric": group[0].get("metric"),
+               "perplexity": _mean(r.get("perplexity") for r in group)}
+        row.update({field: _mean(r.get(field) for r in group) for field in MEAN_FIELDS})
+        rows.append(row)
+    rows.sort(key=lambda r: (order["task"][r["task"]], r["length"], order["controller"][r["controller"]], r["budget"]))
+    return rows
+
+
+def _format(column: str, value) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""
+        if column in ("accuracy", "rel_accuracy"):
+            return f"{value:.4f}"
+        if column == "kl":
+            return f"{value:.6g}"
+        if column == "budget":
+            return f"{value:g}"
+        if column.startswith("bytes"):
+            return f"{value:.1f}"
+        return f"{value:.3f}"
+    return str(value)
+
+
+def write_summary_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(SUMMARY_COLUMNS)
+        for row in rows:
+            writer.writerow([_format(column, row[column]) for column in SUMMARY_COLUMNS])
+
+
+def _md_table(header: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines]
+    return "\n".join(out)
+
+
+def write_summary_md(rows: list[dict], path: Path) -> None:
+    failed = sorted({(r["task"], r["length"]) for r in rows if r["full_cache_failed"]})
+    header = list(SUMMARY_COLUMNS[:-1]) + ["flag"]
+    lines = [[_format(c, row[c]) for c in SUMMARY_COLUMNS[:-1]]
+             + ["⚠ full cache fails" if row["full_cache_failed"] else ""] for row in rows]
+    parts = ["# kvgym eval summary", "",
+             "accuracy: mean score (natural-text tasks, metric kl: top-1 next-token accuracy over the "
+             "teacher-forced continuation); rel_accuracy: accuracy / the full cache's accuracy on the same "
+             "samples; kl: KL(full || controller) in nats at the first generated position (natural text: mean "
+             "over the continuation); bytes per generated token; the full cache is listed with budget 1.", "",
+             _md_table(header, lines), ""]
+    if failed:
+        listed = ", ".join(f"{task} @ {length}" for task, length in failed)
+        parts += [f"**The full cache itself scores 0 on: {listed}.** rel_accuracy is undefined there (left "
+                  "empty) and those groups are left out of the means below.", ""]
+    means: dict[tuple, list[float]] = defaultdict(list)
+    accuracies: dict[tuple, list[float]] = defaultdict(list)
+    for row in rows:
+        if row["full_cache_failed"] or math.isnan(row["rel_accuracy"]):
+            continue
+        means[(row["controller"], row["budget"])].append(row["rel_accuracy"])
+        accuracies[(row["controller"], row["budget"])].append(row["accuracy"])
+    if means:
+        groups = sorted({(r["task"], r["length"]) for r in rows} - set(failed))
+        parts += [f"## Mean over {len(groups)} task × length group(s) where the full cache scores above 0", "",
+                  _md_table(["controller", "budget", "groups", "mean accuracy", "mean rel_accuracy"],
+                            [[c, _format("budget", b), str(len(v)), _format("accuracy", _mean(accuracies[(c, b)])),
+                              _format("rel_accuracy", _mean(v))] for (c, b), v in means.items()]), ""]
+    text_rows = [r for r in rows if r["metric"] == "kl"]
+    if text_rows:
+        parts += ["## Natural text: perplexity of the teacher-forced continuation", "",
+                  _md_table(["controller", "budget", "task", "length", "perplexity", "kl"],
+                            [[r["controller"], _format("budget", r["budget"]), r["task"], str(r["length"]),
+                              _format("perplexity", r["perplexity"]), _format("kl", r["kl"])] for r in text_rows]), ""]
+    path.write_text("\n".join(parts), encoding="utf-8")
+
+
+def _figure(panels: int, width: float = 5.0, height: float = 3.8):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    cols = min(3, max(panels, 1))
+    nrows = -(-max(panels, 1) // cols)
+    figure = Figure(figsize=(width * cols, height * nrows), dpi=110)
+    FigureCanvasAgg(figure)
+    axes = [figure.add_subplot(nrows, cols, i + 1) for i in range(max(panels, 1))]
+    return figure, axes
+
+
+def _weighted(rows: list[dict], field: str) -> float:
+    pairs = [(r[field], r["n"]) for r in rows if not math.isnan(r[field])]
+    total = sum(n for _, n in pairs)
+    return sum(v * n for v, n in pairs) / total if total else math.nan
+
+
+def plot_accuracy_vs_budget(rows: list[dict], path: Path) -> None:
+    """One panel per task; accuracy (over all lengths, weighted by samples) vs budget, a line per controller,
+    the full cache as a dashed horizontal line."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    controllers = list(dict.fromkeys(r["controller"] for r in rows if r["controller"] != FULL))
+    figure, axes = _figure(len(tasks))
+    colors = _colors(controllers)
+    for ax, task in zip(axes, tasks, strict=False):
+        task_rows = [r for r in rows if r["task"] == task]
+        full_rows = [r for r in task_rows if r["controller"] == FULL]
+        full_accuracy = _weighted(full_rows, "accuracy") if full_rows else math.nan
+        for controller in controllers:
+            budgets = sorted({r["budget"] for r in task_rows if r["controller"] == controller})
+            values = [_weighted([r for r in task_rows if r["controller"] == controller and r["budget"] == b],
+                                "accuracy") for b in budgets]
+            ax.plot(budgets, values, _marker(controller, controllers) + "-", color=colors[controller], label=controller)
+        if not math.isnan(full_accuracy):
+            ax.axhline(full_accuracy, color="black", linestyle="--", linewidth=1, label="full cache")
+        lengths = ",".join(str(x) for x in sorted({r["length"] for r in task_rows}))
+        flag = "  [full cache fails]" if full_accuracy == 0.0 else ""
+        ax.set_title(f"{task} (lengths {lengths}){flag}", color="tab:red" if flag else "black", fontsize=10)
+        ax.set_xlabel("device budget (fraction of the run's tokens)")
+        ax.set_ylabel("top-1 next-token accuracy" if task_rows[0]["metric"] == "kl" else "accuracy")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def plot_bytes_vs_context(rows: list[dict], path: Path) -> None:
+    """One panel per budget; attention bytes read per decoded token (mean over tasks, weighted by samples)
+    vs context length, a line per controller, the full cache in every panel."""
+    budgets = sorted({r["budget"] for r in rows if r["controller"] != FULL}) or [1.0]
+    controllers = list(dict.fromkeys(r["controller"] for r in rows if r["controller"] != FULL))
+    colors = _colors(controllers)
+    figure, axes = _figure(len(budgets))
+    mib = float(1 << 20)
+
+    def line(ax, selected, label, style, color):
+        lengths = sorted({r["length"] for r in selected})
+        values = [_weighted([r for r in selected if r["length"] == x], "bytes_read_per_token") / mib for x in lengths]
+        ax.plot(lengths, values, style, color=color, label=label)
+
+    for ax, budget in zip(axes, budgets, strict=False):
+        full_rows = [r for r in rows if r["controller"] == FULL]
+        if full_rows:
+            line(ax, full_rows, "full cache", "s--", "black")
+        for controller in controllers:
+            selected = [r for r in rows if r["controller"] == controller and r["budget"] == budget]
+            if selected:
+                line(ax, selected, controller, _marker(controller, controllers) + "-", colors[controller])
+        ax.set_title(f"budget {budget:g}", fontsize=10)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("attention bytes read per token (MiB, all layers)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def _marker(name: str, names: list[str]) -> str:
+    return "o^vD<>ph*X"[names.index(name) % 10]  # overlapping lines stay distinguishable
+
+
+def _colors(names: list[str]) -> dict[str, str]:
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+               "tab:olive", "tab:cyan", "tab:gray"]
+    return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+
+
+def write_report(records: list[dict], out_dir: str | Path, plots: bool = True) -> list[dict]:
+    """Write ``summary.csv``, ``summary.md`` and (with ``plots``) the two PNGs; returns the summary rows."""
+    out = Path(out_dir)
+    rows = summarize(records)
+    write_summary_csv(rows, out / "summary.csv")
+    write_summary_md(rows, out / "summary.md")
+    if plots and rows:
+        plot_accuracy_vs_budget(rows, out / "accuracy_vs_budget.png")
+        plot_bytes_vs_context(rows, out / "bytes_vs_context.png")
+    return rows
