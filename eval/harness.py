@@ -48,10 +48,8 @@ Design:
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import math
-import pkgutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,41 +81,22 @@ def sample_seed(seed: int, task: str, length: int, index: int) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
-def _import_all_task_modules() -> None:
-    import eval.tasks as package
-
-    for module in pkgutil.iter_modules(package.__path__):
-        if module.name == "base":
-            continue
-        try:
-            importlib.import_module(f"eval.tasks.{module.name}")
-        except Exception as err:  # a broken module must not hide the others from the list
-            warnings.warn(f"eval.tasks.{module.name} failed to import: {err}", stacklevel=3)
-
-
 def available_tasks() -> list[str]:
-    """Every registered task name (imports all of ``eval/tasks``)."""
+    """Every registered task name."""
+    import eval.tasks  # noqa: F401  (registration)
     from eval.tasks.base import TASKS
 
-    _import_all_task_modules()
     return sorted(TASKS)
 
 
 def task_generator(name: str):
-    """The registered generator of ``name``: ``eval.tasks.<name>`` is imported first, then every task module."""
-    from eval.tasks.base import TASKS
+    """The registered generator of ``name``; an unknown name is a ``--tasks`` error."""
+    from eval.tasks.base import get_task
 
-    if name not in TASKS:
-        try:
-            importlib.import_module(f"eval.tasks.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"eval.tasks.{name}":
-                raise
-    if name not in TASKS:
-        tasks = available_tasks()
-        if name not in TASKS:
-            raise ValueError(f"--tasks: unknown task {name!r}: choose from {', '.join(tasks) or '(none registered)'}")
-    return TASKS[name]
+    try:
+        return get_task(name)
+    except ValueError as err:
+        raise ValueError(f"--tasks: {err}") from None
 
 
 def split_specs(text: str) -> list[str]:

@@ -240,7 +240,7 @@ def test_needles_are_kept_across_lengths(make):
 def test_too_short_length_is_refused(tokenizer):
     with pytest.raises(ValueError):
         generate("vt", tokenizer, 100, 0, 0)
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
         generate("nope", tokenizer, 1024, 0, 0)
 
 

@@ -6,13 +6,11 @@ niah_multivalue, niah_multiquery, vt, fwe, research, text.
 """
 
 from eval.tasks import fwe, niah, passkey, research, text, vt  # noqa: F401  (registration)
-from eval.tasks.base import TASKS, Sample, register_task
+from eval.tasks.base import TASKS, Sample, get_task, register_task
 
-__all__ = ["TASKS", "Sample", "register_task", "generate"]
+__all__ = ["TASKS", "Sample", "get_task", "register_task", "generate"]
 
 
 def generate(name: str, tokenizer, length: int, seed: int = 0, index: int = 0) -> Sample:
     """One sample of task ``name``."""
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
-    return TASKS[name](tokenizer, length, seed, index)
+    return get_task(name)(tokenizer, length, seed, index)
