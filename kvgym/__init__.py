@@ -7,3 +7,9 @@ register(
     entry_point="kvgym.envs.paged_kv:PagedKVCacheEnv",
     max_episode_steps=4096,
 )
+
+register(
+    id="kvgym/PagedKVCacheReplay-v0",
+    entry_point="kvgym.envs.replay:PagedKVCacheReplayEnv",
+    max_episode_steps=4096,
+)

@@ -1,0 +1,876 @@
+"""The trace-replay surrogate of the live environment: the same spaces and decision points, no model forward.
+
+``PagedKVCacheReplayEnv`` steps a simulated block table through a recorded full-cache run (``kvgym/envs/traces.py``)
+at thousands of decisions per second on a CPU, where the live env makes about one a second with SmolLM2. A policy
+trained here is fine-tuned and validated on the live env (``replay_live_correlation`` measures how well the two
+agree).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from cache.controller import CacheView, Op
+from cache.paged_cache import CacheConfig
+from cache.runner import budget_blocks
+from cache.tiers import Tier
+from kvgym.envs.observation import BLOCK_FEATURES, NUM_OPS, Encoded, action_space, observation_space
+from kvgym.envs.traces import Trace, trace_paths
+
+DEVICE, HOST, DISK, DROPPED, UNUSED = (int(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.DROPPED, Tier.UNUSED))
+SINK_BLOCKS = 1  # CacheConfig's default, as in the live env
+RECENT_DECAY = 0.9  # CacheConfig's default (BlockStats.recent_mass)
+ATTENDED_SHARE = 1.0  # CacheConfig's default (BlockStats.last_attended)
+MAX_LOST = 1.0 - 1e-6  # keeps -log(1 - lost) finite
+KEEP, EVICT, MERGE, PREFETCH = (int(op) for op in (Op.KEEP, Op.EVICT, Op.MERGE, Op.PREFETCH))
+OP_NAMES = [op.name.lower() for op in Op]
+
+
+def smallest_stable(key: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of ``key`` ``[R, n]``, the ``counts[r]`` smallest entries in (value, column) order: exactly the head
+    of ``np.argsort(key[r], kind="stable")``, found with a partition instead of a full sort. Returns ``(rows,
+    columns, rank)`` (row-major, ranks from 0)."""
+    counts = np.minimum(counts, key.shape[1])
+    if key.shape[0] == 1:  # one row: fewer calls
+        values, count = key[0], int(counts[0])
+        if count <= 0:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        pool = np.flatnonzero(values <= np.partition(values, count - 1)[count - 1]) if count < len(values) \
+            else np.arange(len(values))
+        columns = pool[np.argsort(values[pool], kind="stable")[:count]]
+        return np.zeros(count, np.int64), columns, np.arange(count)
+    top = int(counts.max()) if counts.size else 0
+    if top == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    head = np.sort(np.partition(key, top - 1, axis=1)[:, :top] if top < key.shape[1] else key, axis=1)
+    bound = head[np.arange(key.shape[0]), np.maximum(counts, 1) - 1]
+    selected = key <= bound[:, None]
+    selected &= (counts > 0)[:, None]
+    rows, columns = np.nonzero(selected)
+    order = np.lexsort((columns, key[rows, columns], rows))
+    rows, columns = rows[order], columns[order]
+    rank = np.arange(len(rows)) - np.searchsorted(rows, rows, side="left")
+    keep = rank < counts[rows]
+    return rows[keep], columns[keep], rank[keep]
+
+
+class ReplayCacheInfo:
+    """What controllers read from ``view.cache`` besides the view (its config and block size); one per episode,
+    so controllers that remember their cache by identity see one cache per episode."""
+
+    def __init__(self, num_layers: int):
+        self.config = CacheConfig()
+        self.block_size = self.config.block_size
+        self.num_layers = num_layers
+
+
+@dataclass
+class ReplayCacheView(CacheView):
+    """A ``CacheView`` of the replay env's simulated cache (``cache`` is a ``ReplayCacheInfo``): the lazy
+    properties that read the live cache come from the trace instead (final mean keys, the recorded query,
+    precomputed similarities)."""
+
+    trace_mean_key: torch.Tensor | None = None
+    trace_last_query: torch.Tensor | None = None
+    trace_query_similarity: torch.Tensor | None = None
+    trace_neighbour_similarity: torch.Tensor | None = None
+    block_size: int = 16
+
+    @cached_property
+    def mean_key(self) -> torch.Tensor | None:
+        return self.trace_mean_key
+
+    @cached_property
+    def key_min(self) -> torch.Tensor | None:
+        return None  # not recorded
+
+    @cached_property
+    def key_max(self) -> torch.Tensor | None:
+        return None  # not recorded
+
+    @cached_property
+    def last_query(self) -> torch.Tensor | None:
+        return self.trace_last_query
+
+    @cached_property
+    def sentence_query(self) -> torch.Tensor | None:
+        return None  # not recorded
+
+    @cached_property
+    def query_similarity(self) -> torch.Tensor:
+        return self.trace_query_similarity
+
+    @cached_property
+    def neighbour_similarity(self) -> torch.Tensor:
+        return self.trace_neighbour_similarity
+
+
+class _Prepared:
+    """A trace's arrays regrouped for the env's ``prefill_chunk``, with the derived similarities."""
+
+    def __init__(self, trace: Trace, prefill_chunk: int, prefill_weight: float = 1.0):
+        meta = trace.meta
+        recorded_chunk = int(meta["prefill_chunk"])
+        if prefill_chunk % recorded_chunk:
+            raise ValueError(f"trace recorded with prefill_chunk {recorded_chunk}; the env's prefill_chunk "
+                             f"{prefill_chunk} must be a multiple of it (rebuild the traces or change prefill_chunk)")
+        if int(meta.get("block_size", 16)) != 16:
+            raise ValueError("replay supports traces with 16-token blocks (the live env's block size)")
+        self.meta = meta
+        self.block_size = 16
+        self.prompt_tokens = int(meta["prompt_tokens"])
+        self.max_new_tokens = int(meta["max_new_tokens"])
+        self.total_tokens = self.prompt_tokens + self.max_new_tokens
+        self.bytes_per_token = int(meta["bytes_per_token"])
+        recorded_prefill = trace.prefill_forwards
+        group = prefill_chunk // recorded_chunk
+        mass = trace.mass.float()
+        queries = trace.queries.to(torch.float64)
+        last_query = trace.last_query.float()
+        # prefill: every `group` recorded chunks make one env chunk (mass and queries add up)
+        starts = list(range(0, recorded_prefill, group))
+        ends = [min(s + group, recorded_prefill) for s in starts]
+        index = torch.tensor([e - 1 for e in ends] + list(range(recorded_prefill, trace.num_forwards)), dtype=torch.int64)
+        if group > 1:
+            prefill_mass = torch.stack([mass[s:e].sum(dim=0) for s, e in zip(starts, ends, strict=True)])
+            prefill_queries = torch.stack([queries[s:e].sum() for s, e in zip(starts, ends, strict=True)])
+            mass = torch.cat([prefill_mass, mass[recorded_prefill:]])
+            queries = torch.cat([prefill_queries, queries[recorded_prefill:]])
+        self.prefill_forwards = len(starts)
+        self.seen = trace.seen[index].numpy().astype(np.int64)
+        self.queries = queries.numpy().astype(np.float32)
+        self.mass = np.ascontiguousarray(mass.numpy())  # [T, L, N] float32
+        self.last_query = last_query[index]  # [T, L, heads, dim]
+        self.num_forwards, self.num_layers, self.num_blocks = self.mass.shape
+        self.blocks_after = -(-self.seen // self.block_size)  # [T] logical blocks after each forward
+        # weight of each forward in the KL proxy: prefill_weight per prefill chunk, 1 per decode step
+        self.is_prefill = np.arange(self.num_forwards) < self.prefill_forwards
+        self.scored = np.where(self.is_prefill, prefill_weight, 1.0).astype(np.float32)
+        # the live env stops after the tokenizer's EOS (or max_new_tokens): tokens it will generate
+        tokens = trace.tokens.tolist()
+        eos = meta.get("eos_token_id")
+        self.generated = len(tokens)
+        if eos is not None and eos in tokens:
+            self.generated = tokens.index(eos) + 1
+        self.sentence_boundary = trace.sentence_boundary.numpy().astype(bool)
+        mean_key = trace.mean_key.float()  # [L, N, kv_heads, dim]
+        self.mean_key = mean_key
+        kv_heads = mean_key.shape[2]
+        # query similarity of every block at every forward: cosine(mean key, KV-group-averaged query), mean over
+        # KV heads (CacheView.query_similarity)
+        summary = last_query[index].reshape(self.num_forwards, self.num_layers, kv_heads, -1, last_query.shape[-1]).mean(dim=3)
+        eps = 1e-8
+        keys_n = mean_key / mean_key.norm(dim=-1, keepdim=True).clamp(min=eps)
+        summary_n = summary / summary.norm(dim=-1, keepdim=True).clamp(min=eps)
+        self.query_similarity = torch.einsum("lnhd,tlhd->tln", keys_n, summary_n).div_(kv_heads).numpy()
+        # neighbour similarity: cosine between blocks' mean keys (KV heads concatenated); self-pairs set to -1
+        flat = torch.nn.functional.normalize(mean_key.flatten(2), dim=-1)
+        similarity = flat @ flat.transpose(1, 2)
+        similarity.diagonal(dim1=1, dim2=2).fill_(-1.0)
+        self.neighbour = similarity.numpy()  # [L, N, N]
+
+
+class PagedKVCacheReplayEnv(gym.Env):
+    """
+    ## Description
+
+    Trace replay of ``PagedKVCacheEnv`` (``kvgym/PagedKVCache-v0``): the same observation and action spaces, the
+    same decision points (after every prefill chunk, every ``decide_every`` decode steps, whenever a layer goes
+    over its budget), the same candidate selection and masks (``kvgym.envs.observation``), but no model: a
+    simulated per-layer block table (device / host / dropped, host capacity ``host_blocks`` per layer, the sink
+    block and the newest block pinned) evolves with the actions over a recorded full-cache run
+    (``kvgym traces build``). After the agent's ops the same fallback rule as the cache's (evict the unpinned
+    device blocks with the least accumulated attention, to the host if it has room, else dropped) enforces every
+    layer's budget and is counted in ``info["fallbacks"]``.
+
+    ## Dynamics
+
+    - ``evict``: device → host if the layer's host pool has room (bytes moved: one block), else dropped.
+    - ``merge``: the block is dropped (as in the cache: its slot is freed, no bytes move), but its future
+      attention is credited: it counts as lost only by ``1 - merge_credit × max(neighbour similarity, 0)`` (the
+      live merge folds its tokens into the most similar kept tokens, so part of their attention survives).
+    - ``prefetch``: host → device (one block moved).
+    - Statistics (``acc_mass``, ``recent_mass``, ``last_mass``, ``last_attended``): the trace's mass of each
+      forward on the blocks that are on the device then, renormalised so it sums to the forward's query count per
+      layer, as the live cache's attention only sees (and renormalises over) resident blocks; offloaded blocks
+      accumulate nothing, exactly as in the live cache.
+    - Key summaries are the trace's final mean keys (a full cache never changes a block; only the newest block's
+      partial mean differs, and merged-into blocks keep their own mean); query similarity uses the recorded latest
+      query of the forward before the decision.
+    - Sentence boundaries: off by default, since the live env feeds no token ids to its cache (its observation's
+      ``sentence_boundary`` is always 0); ``sentence_features=True`` uses the trace's.
+
+    ## Rewards
+
+    For forward ``t`` between this decision and the next, per layer ``l``: ``lost[t, l]`` = the full-cache
+    attention mass of forward ``t`` on blocks that are not on the device (weighted by their loss weight: 1 evicted
+    or dropped, less for merged) divided by its query count. Per step:
+
+    ``reward = -kl - mass_scale × lost_mass - lambda_bytes × MB moved``, ``kl = kl_scale × kl_proxy``
+
+    with ``lost_mass = Σ_t mean_l lost[t, l]`` and ``kl_proxy = Σ_t w_t × mean_l -log(1 - lost[t, l])``,
+    ``w_t`` = 1 per decode step and ``prefill_weight`` per prefill chunk. ``-log(1 - p)`` is the exact KL between
+    the attention distribution restricted to the kept blocks (renormalised) and the full one, when the kept part
+    keeps its shape: the first-order effect of eviction on what a layer reads. ``kl_scale`` maps it to the live
+    env's output KL: 20 was fitted on SmolLM2-135M, passkey at 1024 tokens (per-step least squares of the live
+    KL on the proxy, r = 0.96 over 216 steps; the live KL sits on the decode steps, ~20 per unit of proxy, while
+    a prefill chunk's ~7 per unit is what ``prefill_weight`` = 1/3 encodes); ``replay_live_correlation`` returns
+    the fit (``kl_scale_fit``) for another model or task. There is no task score (the answer is not decoded):
+    ``info["task_score"]`` is 0. Components are in ``info``: ``kl`` (scaled, the live env's unit),
+    ``kl_proxy``, ``lost_mass``, ``bytes_moved``.
+
+    ## Starting State
+
+    A trace drawn with the env's RNG, a budget fraction drawn uniformly from ``budget_range`` (``reset(options=
+    {"trace": i_or_Trace, "budget_fraction": f})`` picks them); the first prefill chunk has been replayed.
+
+    ## Episode End
+
+    ``terminated`` when the live env would have generated the answer: the trace's ``max_new_tokens`` or its
+    first tokenizer EOS. ``truncated`` only by a ``TimeLimit`` wrapper.
+
+    ## Arguments
+
+    ``traces`` (a folder written by ``kvgym traces build``, a ``.pt`` file, a ``Trace``, or a list of them),
+    ``num_candidates`` (K, 32), ``prefill_chunk`` (64; a multiple of the traces'), ``decide_every`` (8),
+    ``budget_range``, ``lambda_bytes`` (0.01 per MB), ``host_blocks`` (None: room for the whole context),
+    ``kl_scale`` (20.0), ``prefill_weight`` (1/3), ``mass_scale`` (0.0), ``merge_credit`` (0.5),
+    ``sentence_features`` (False), ``cache_traces`` (prepared traces kept in memory, LRU, 8: ~5 MB each at 2k
+    tokens, ~55 MB at 8k; preparing one takes ~50 ms), ``render_mode`` (``"ansi"`` | ``"rgb_array"``).
+
+    ## Version History
+
+    * v0: initial version (trace replay of ``PagedKVCache-v0``).
+    """
+
+    metadata = {"render_modes": ["ansi", "rgb_array"], "render_fps": 4}
+
+    def __init__(self, traces, num_candidates: int = 32, prefill_chunk: int = 64, decide_every: int = 8,
+                 budget_range=(0.125, 0.5), lambda_bytes: float = 0.01, host_blocks: int | None = None,
+                 kl_scale: float = 20.0, prefill_weight: float = 1.0 / 3.0, mass_scale: float = 0.0,
+                 merge_credit: float = 0.5,
+                 sentence_features: bool = False, cache_traces: int = 8, render_mode: str | None = None):
+        low, high = budget_range
+        if not 0.0 < low <= high <= 1.0:
+            raise ValueError(f"budget_range {budget_range!r}: need 0 < low <= high <= 1")
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode {render_mode!r}: use one of {self.metadata['render_modes']}")
+        if num_candidates < 1 or prefill_chunk < 1 or decide_every < 1:
+            raise ValueError("num_candidates, prefill_chunk and decide_every must be >= 1")
+        if not 0.0 <= merge_credit <= 1.0:
+            raise ValueError(f"merge_credit must be in [0, 1], got {merge_credit}")
+        self.sources = self._sources(traces)
+        self.num_candidates, self.prefill_chunk, self.decide_every = num_candidates, prefill_chunk, decide_every
+        self.budget_range, self.lambda_bytes, self.host_blocks = (low, high), lambda_bytes, host_blocks
+        self.kl_scale, self.prefill_weight, self.mass_scale = kl_scale, prefill_weight, mass_scale
+        self.merge_credit, self.sentence_features, self.render_mode = merge_credit, sentence_features, render_mode
+        self._prepared: OrderedDict = OrderedDict()
+        self._cache_traces = max(int(cache_traces), 1)
+        first = self._prepare(0)
+        self.num_layers = first.num_layers
+        self.observation_space = observation_space(self.num_layers, num_candidates)
+        self.action_space = action_space(num_candidates)
+        self.data: _Prepared | None = None
+
+    # ------------------------------------------------------------------ traces
+    @staticmethod
+    def _sources(traces) -> list:
+        if isinstance(traces, (str, Path)):
+            return list(trace_paths(traces))
+        if isinstance(traces, (Trace, dict)):
+            return [traces]
+        sources = []
+        for item in traces:
+            sources += PagedKVCacheReplayEnv._sources(item) if isinstance(item, (str, Path)) else [item]
+        if not sources:
+            raise ValueError("traces: none given")
+        return sources
+
+    def _prepare(self, key) -> _Prepared:
+        """The prepared trace for a source index (cached, LRU) or a ``Trace``/dict object."""
+        if not isinstance(key, int):
+            trace = key if isinstance(key, Trace) else Trace.from_dict(key)
+            return self._check(_Prepared(trace, self.prefill_chunk, self.prefill_weight))
+        if key in self._prepared:
+            self._prepared.move_to_end(key)
+            return self._prepared[key]
+        source = self.sources[key]
+        trace = source if isinstance(source, Trace) else (
+            Trace.from_dict(source) if isinstance(source, dict) else Trace.load(source))
+        prepared = self._check(_Prepared(trace, self.prefill_chunk, self.prefill_weight))
+        self._prepared[key] = prepared
+        while len(self._prepared) > self._cache_traces:
+            self._prepared.popitem(last=False)
+        return prepared
+
+    def _check(self, prepared: _Prepared) -> _Prepared:
+        layers = getattr(self, "num_layers", prepared.num_layers)
+        if prepared.num_layers != layers:
+            raise ValueError(f"trace has {prepared.num_layers} layers; the env's other traces have {layers}")
+        return prepared
+
+    # ------------------------------------------------------------------ episode
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        options = options or {}
+        rng = self.np_random
+        choice = options.get("trace")
+        if choice is None:
+            choice = int(rng.integers(len(self.sources)))
+        fraction = options.get("budget_fraction")
+        self.budget_fraction = float(rng.uniform(*self.budget_range) if fraction is None else fraction)
+        self.data = data = self._prepare(choice)
+        self.trace_index = choice if isinstance(choice, int) else -1
+        L, N = data.num_layers, data.num_blocks
+        total = data.total_tokens
+        self.total_tokens = total
+        self.budget = np.array(budget_blocks(self.budget_fraction, total, 16, L, SINK_BLOCKS + 1), dtype=np.int64)
+        blocks_total = -(-total // 16)
+        self.host_capacity = self.host_blocks if self.host_blocks is not None else blocks_total
+        self.device_capacity = -(-(total + 1) // 16) + 1  # the live cache's device pool (max_blocks + 1)
+        self.block_bytes = data.bytes_per_token * 16
+        self.full_bytes = total * data.bytes_per_token * L
+        self.tier = np.full((L, N), UNUSED, dtype=np.int8)
+        self.loss_weight = np.zeros((L, N), np.float32)
+        self.acc_mass = np.zeros((L, N), np.float32)
+        self.recent_mass = np.zeros((L, N), np.float32)
+        self.last_mass = np.zeros((L, N), np.float32)
+        self.last_attended = np.full((L, N), -1, dtype=np.int64)
+        self.device_count = np.zeros(L, np.int64)
+        self.host_used = np.zeros(L, np.int64)
+        self._cache_info = ReplayCacheInfo(L)
+        self.n = 0  # logical blocks
+        self.t = -1  # last replayed forward
+        self.chunk_index, self.generated, self.done = 0, 0, False
+        self.bytes_moved_total = 0
+        kl, lost = self._advance()
+        return self._observe(), self._info(kl=self.kl_scale * kl, kl_proxy=kl, lost_mass=lost, bytes_moved=0,
+                                           fallbacks=0, task_score=0.0,
+                                           ops={}, within_budget=True, illegal_ops=0)
+
+    def _advance(self) -> tuple[float, float]:
+        """Replay to the next decision point; returns (KL proxy, lost mass) on the way."""
+        data = self.data
+        if self.chunk_index < data.prefill_forwards:
+            t = self.chunk_index
+            self.chunk_index += 1
+            return self._replay(t, t)
+        first = last = None
+        headroom = int((self.budget - self.device_count).min())
+        for _ in range(self.decide_every):
+            step = self.generated
+            self.generated += 1
+            if step + 1 >= data.generated:
+                self.done = True
+                break
+            t = data.prefill_forwards + step
+            first = t if first is None else first
+            last = t
+            if int(data.blocks_after[t]) - self.n > headroom:  # a layer went over its budget
+                break
+        if first is None:
+            return 0.0, 0.0
+        return self._replay(first, last)
+
+    def _replay(self, t0: int, t1: int) -> tuple[float, float]:
+        """Replay forwards ``t0..t1`` (no decision between them): loss, then the statistics."""
+        data = self.data
+        n0, n1 = self.n, int(data.blocks_after[t1])
+        count0 = self.device_count.copy()
+        if n1 > n0:  # new blocks are written to the device
+            self.tier[:, n0:n1] = DEVICE
+            self.device_count += n1 - n0
+        self.n, self.t = n1, t1
+        mass = data.mass[t0 : t1 + 1, :, :n1]  # [G, L, n]
+        queries = data.queries[t0 : t1 + 1]  # [G] float32
+        g = mass.shape[0]
+        lost = np.einsum("gln,ln->gl", mass, self.loss_weight[:, :n1]) / queries[:, None]
+        np.clip(lost, 0.0, MAX_LOST, out=lost)
+        per_layer = 1.0 / lost.shape[1]
+        kl = float(data.scored[t0 : t1 + 1] @ -np.log1p(-lost).sum(axis=1)) * per_layer
+        lost_mass = float(lost.sum()) * per_layer
+        # what the live cache's attention sees: the device blocks' mass, renormalised to the forward's queries
+        on_device = (self.tier[:, :n1] == DEVICE).astype(np.float32)
+        total = np.einsum("gln,ln->gl", mass, on_device)
+        scale = np.divide(queries[:, None], total, out=np.zeros_like(total), where=total > 0)
+        weights = (RECENT_DECAY ** np.arange(g - 1, -1, -1, dtype=np.float32))[:, None] * scale
+        self.acc_mass[:, :n1] += np.einsum("gl,gln->ln", scale, mass) * on_device
+        self.recent_mass[:, :n1] *= np.float32(RECENT_DECAY ** g)
+        self.recent_mass[:, :n1] += np.einsum("gl,gln->ln", weights, mass) * on_device
+        self.last_mass.fill(0.0)
+        np.multiply(mass[-1], scale[-1][:, None] * on_device, out=self.last_mass[:, :n1])
+        resident = count0[None, :] + (data.blocks_after[t0 : t1 + 1] - n0)[:, None]  # [G, L]
+        # attended: kept mass >= share × queries / resident blocks, i.e. raw mass >= that / scale
+        threshold = np.divide(ATTENDED_SHARE * queries[:, None] / np.maximum(resident, 1), scale,
+                              out=np.full_like(scale, np.inf), where=scale > 0)
+        hit = mass >= threshold[..., None]
+        hit &= on_device.astype(bool)
+        if g == 1:
+            np.copyto(self.last_attended[:, :n1], int(data.seen[t0]), where=hit[0])
+        else:
+            latest = np.where(hit, np.arange(g)[:, None, None], -1).max(axis=0)
+            np.copyto(self.last_attended[:, :n1], data.seen[t0 + np.maximum(latest, 0)], where=latest >= 0)
+        return kl, lost_mass
+
+    # ------------------------------------------------------------------ observation
+    def _pinned(self) -> np.ndarray:
+        pinned = np.zeros((self.num_layers, self.n), bool)
+        pinned[:, :SINK_BLOCKS] = True
+        pinned[:, self.n - 1] = True
+        return pinned
+
+    def _observe(self) -> dict[str, np.ndarray]:
+        """The live env's ``encode(view, ...)``, vectorised (``tests/test_replay.py`` checks they agree)."""
+        data, n, K, t = self.data, self.n, self.num_candidates, self.t
+        tier = self.tier[:, :n]
+        on_device = tier == DEVICE
+        offloaded = (tier == HOST) | (tier == DISK)
+        pinned = self._pinned()
+        evictable = on_device & ~pinned
+        query_similarity = data.query_similarity[t, :, :n]
+        picks = []
+        offloaded_count = int(offloaded.sum())
+        if offloaded_count:
+            similarity = torch.from_numpy(np.where(offloaded, query_similarity, -np.inf).ravel())
+            picks.append(torch.topk(similarity, min(offloaded_count, K // 2)).indices.numpy())
+        evictable_count = int(evictable.sum())
+        if evictable_count:
+            count = min(evictable_count, K - (len(picks[0]) if picks else 0))
+            mass = np.where(evictable, self.acc_mass[:, :n], np.inf).reshape(1, -1)
+            picks.append(smallest_stable(mass, np.array([count]))[1])
+        flat = np.concatenate(picks) if picks else np.zeros(0, np.int64)
+        layers, blocks = np.divmod(flat.astype(np.int64), n)
+        c = len(flat)
+        features = np.zeros((K, len(BLOCK_FEATURES)), np.float32)
+        mask = np.zeros((K, NUM_OPS), bool)
+        mask[:, KEEP] = True
+        if c:
+            seen = max(int(data.seen[t]), 1)
+            rows = self.neighbour_rows(layers, blocks)
+            cand_tier = tier[layers, blocks]
+            features[:c, 0] = 1.0
+            features[:c, 1] = layers / max(self.num_layers - 1, 1)
+            features[:c, 2] = (seen - blocks * 16) / seen
+            features[:c, 3] = np.log1p(self.acc_mass[layers, blocks].astype(np.float64))
+            features[:c, 4] = np.log1p(self.recent_mass[layers, blocks].astype(np.float64))
+            features[:c, 5] = query_similarity[layers, blocks]
+            features[:c, 6] = rows
+            features[:c, 7] = cand_tier == DEVICE
+            features[:c, 8] = cand_tier == HOST
+            features[:c, 9] = cand_tier == DISK
+            if self.sentence_features:
+                features[:c, 10] = data.sentence_boundary[blocks]
+            features[:c, 11] = pinned[layers, blocks]
+            legal_evict = evictable[layers, blocks]
+            mask[:c, EVICT] = legal_evict
+            mask[:c, MERGE] = legal_evict & (self.device_count[layers] > 1)
+            mask[:c, PREFETCH] = offloaded[layers, blocks] & (self.device_capacity - self.device_count[layers] > 0)
+        self._layers, self._blocks, self._mask = layers, blocks, mask
+        self._neighbour = features[:c, 6].copy()
+        host_capacity = self.num_layers * self.host_capacity
+        observation = {
+            "layer_pressure": self.device_count.astype(np.float32) / np.maximum(self.budget, 1).astype(np.float32),
+            "tier_occupancy": np.array([self.device_count.sum() / (self.num_layers * self.device_capacity),
+                                        self.host_used.sum() / host_capacity if host_capacity else 0.0, 0.0],
+                                       np.float32),
+            "blocks": features.reshape(-1),
+            "globals": np.array([int(data.seen[t]) / self.total_tokens, self.budget_fraction,
+                                 self.bytes_moved_total / max(self.full_bytes, 1)], np.float32),
+        }
+        self._last_observation = observation
+        return observation
+
+    def neighbour_rows(self, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Neighbour similarity of the given (layer, block)s: the best cosine to another device block, -1 if none."""
+        n = self.n
+        rows = self.data.neighbour[layers, blocks, :n]
+        return np.where(self.tier[layers, :n] == DEVICE, rows, -1.0).max(axis=1) if n else np.full(len(layers), -1.0)
+
+    @property
+    def encoded(self) -> Encoded:
+        """The current observation as ``observation.encode`` returns it (observation, mask, candidates)."""
+        observation = self._last_observation
+        return Encoded(observation={k: v.copy() for k, v in observation.items()}, mask=self._mask.copy(),
+                       candidates=list(zip(self._layers.tolist(), self._blocks.tolist(), strict=True)))
+
+    def view(self) -> ReplayCacheView:
+        """A ``CacheView`` of the simulated cache (for controllers and checks; not used by ``step``)."""
+        data, n, L = self.data, self.n, self.num_layers
+        tier = torch.from_numpy(self.tier[:, :n].copy())
+        on_device = tier == Tier.DEVICE
+        neighbour = torch.from_numpy(np.where(self.tier[:, None, :n] == DEVICE, data.neighbour[:, :n, :n], -1.0)
+                                     .max(axis=2) if n else np.zeros((L, 0), np.float32))
+        counts = np.minimum(16, int(data.seen[self.t]) - 16 * np.arange(n))
+        boundary = (torch.from_numpy(data.sentence_boundary[:n].copy()) if self.sentence_features
+                    else torch.zeros(n, dtype=torch.bool))
+        before = torch.cumsum(boundary.long(), 0) - boundary.long()
+        budget = torch.from_numpy(self.budget.copy())
+        queries = int(data.queries[self.t])
+        return ReplayCacheView(
+            cache=self._cache_info, seen=int(data.seen[self.t]), tier=tier,
+            first_position=torch.arange(n, dtype=torch.int64) * 16,
+            num_tokens=torch.from_numpy(np.broadcast_to(counts, (L, n)).astype(np.int32).copy()),
+            pinned=torch.from_numpy(self._pinned()),
+            acc_mass=torch.from_numpy(self.acc_mass[:, :n].copy()),
+            recent_mass=torch.from_numpy(self.recent_mass[:, :n].copy()),
+            last_mass=torch.from_numpy(self.last_mass[:, :n].copy()),
+            last_attended=torch.from_numpy(self.last_attended[:, :n].copy()),
+            sentence_id=before, sentence_boundary=boundary, budget_blocks=budget,
+            pressure=on_device.sum(dim=1).float() / budget.clamp(min=1).float(),
+            tier_occupancy=torch.from_numpy(self._last_observation["tier_occupancy"].copy()),
+            device_free=torch.from_numpy(self.device_capacity - self.device_count),
+            forward_tokens=queries, forward_queries=queries, sentence_length=0,
+            trace_mean_key=data.mean_key[:, :n], trace_last_query=data.last_query[self.t],
+            trace_query_similarity=torch.from_numpy(data.query_similarity[self.t, :, :n].copy()),
+            trace_neighbour_similarity=neighbour.float(), block_size=16,
+        )
+
+    def _info(self, **values) -> dict:
+        return {**values, "action_mask": self._mask.astype(np.int8), "budget_fraction": self.budget_fraction,
+                "seen": int(self.data.seen[self.t]), "device_blocks": int(self.device_count.sum())}
+
+    def action_masks(self) -> np.ndarray:
+        """Flat ``[K * 4]`` bool mask of legal ops (sb3-contrib's ``MaskablePPO`` calls this)."""
+        return self._mask.reshape(-1).copy()
+
+    # ------------------------------------------------------------------ step
+    def step(self, action):
+        if self.data is None:
+            raise RuntimeError("call reset() before step()")
+        if self.done:
+            raise RuntimeError("the episode has ended; call reset()")
+        action = np.asarray(action)
+        assert (action.shape == (self.num_candidates,) and np.issubdtype(action.dtype, np.integer)
+                and action.min() >= 0 and action.max() < NUM_OPS), f"invalid action {action!r}"
+        action = action.astype(np.int64, copy=False)
+        moved, illegal, ops = self._apply(action)
+        fallbacks, fallback_moved = self._enforce_budget()
+        moved += fallback_moved
+        within_budget = bool((self.device_count <= self.budget).all())
+        self.bytes_moved_total += moved
+        kl, lost = self._advance()
+        reward = -(self.kl_scale * kl + self.mass_scale * lost) - self.lambda_bytes * moved / 2**20
+        observation = self._observe()
+        info = self._info(kl=self.kl_scale * kl, kl_proxy=kl, lost_mass=lost, bytes_moved=moved, fallbacks=fallbacks,
+                          task_score=0.0, ops=ops,
+                          within_budget=within_budget, illegal_ops=illegal)
+        return observation, float(reward), self.done, False, info
+
+    def _apply(self, action: np.ndarray) -> tuple[int, int, dict[str, int]]:
+        """The agent's ops, evictions and merges first (slot order), then prefetches (as ``decode_action``)."""
+        c = len(self._layers)
+        ops = dict.fromkeys(OP_NAMES, 0)
+        chosen = action[:c]
+        active = np.flatnonzero(chosen)
+        illegal = int(np.count_nonzero(action[c:]))
+        if not len(active):
+            return 0, illegal, ops
+        legal = self._mask[active, chosen[active]]
+        illegal += len(active) - int(legal.sum())
+        active = active[legal].tolist()
+        chosen = chosen.tolist()
+        moved = 0
+        tier, weight, device, host = self.tier, self.loss_weight, self.device_count, self.host_used
+        for slot in [s for s in active if chosen[s] != PREFETCH] + [s for s in active if chosen[s] == PREFETCH]:
+            op, layer, block = chosen[slot], int(self._layers[slot]), int(self._blocks[slot])
+            if op == PREFETCH:
+                tier[layer, block] = DEVICE
+                weight[layer, block] = 0.0
+                host[layer] -= 1
+                device[layer] += 1
+                moved += self.block_bytes
+            elif op == EVICT:
+                if host[layer] < self.host_capacity:
+                    tier[layer, block] = HOST
+                    host[layer] += 1
+                    moved += self.block_bytes
+                else:
+                    tier[layer, block] = DROPPED
+                weight[layer, block] = 1.0
+                device[layer] -= 1
+            else:  # merge
+                tier[layer, block] = DROPPED
+                weight[layer, block] = 1.0 - self.merge_credit * max(float(self._neighbour[slot]), 0.0)
+                device[layer] -= 1
+            ops[OP_NAMES[op]] += 1
+        return moved, illegal, ops
+
+    def _enforce_budget(self) -> tuple[int, int]:
+        """The cache's fallback: per layer over budget, evict the unpinned device blocks with the least
+        accumulated mass (ties: oldest), to the host while it has room, else dropped."""
+        excess = np.maximum(self.device_count - self.budget, 0)
+        if not excess.any():
+            return 0, 0
+        n = self.n
+        evictable = (self.tier[:, :n] == DEVICE) & ~self._pinned()
+        layer_index, blocks, rank = smallest_stable(np.where(evictable, self.acc_mass[:, :n], np.inf), excess)
+        to_host = rank < (self.host_capacity - self.host_used)[layer_index]
+        self.tier[layer_index, blocks] = np.where(to_host, HOST, DROPPED).astype(np.int8)
+        self.loss_weight[layer_index, blocks] = 1.0
+        L = self.num_layers
+        self.host_used += np.bincount(layer_index[to_host], minlength=L)
+        self.device_count -= np.bincount(layer_index, minlength=L)
+        return len(blocks), int(to_host.sum()) * self.block_bytes
+
+    # ------------------------------------------------------------------ render
+    def render(self):
+        if self.render_mode is None:
+            gym.logger.warn("render() called without a render_mode; pass render_mode='ansi' or 'rgb_array'")
+            return None
+        tiers = self.tier[:, : self.n]
+        if self.render_mode == "ansi":
+            symbols = {DEVICE: "D", HOST: "h", DISK: "d", DROPPED: "."}
+            rows = [f"L{layer:02d} " + "".join(symbols.get(int(t), "?") for t in tiers[layer])
+                    for layer in range(self.num_layers)]
+            return "\n".join(rows) + f"\nseen {int(self.data.seen[self.t])} tokens, budget {self.budget[0]} blocks/layer\n"
+        colours = np.array([[46, 204, 113], [52, 152, 219], [155, 89, 182], [40, 40, 40]], np.uint8)
+        image = colours[np.clip(tiers, 0, None).astype(np.int64)]
+        return np.repeat(np.repeat(image, 4, axis=0), 4, axis=1)
+
+    def close(self):
+        self._prepared.clear()
+
+
+
+# ---------------------------------------------------------------------- replay vs live
+Policy = Callable[[CacheView, Encoded, np.random.Generator], np.ndarray]
+
+# scripted policies: feature column of the encoded observation, and whether high values go first
+_ORDERS = {"mass": (3, False), "recent": (4, False), "oldest": (2, True), "newest": (2, False),
+           "query": (5, False), "neighbour": (6, True)}
+
+
+def scripted_policy(order: str = "mass", extra: int = 0, op: int = EVICT) -> Policy:
+    """Per layer, ``op`` (evict or merge) on the layer's over-budget count (+ ``extra``) of its candidate slots,
+    ranked by a feature of the observation: ``mass`` (lowest accumulated attention first), ``recent``, ``oldest``,
+    ``newest``, ``query`` (least similar to the query), ``neighbour`` (most similar to another block)."""
+    column, descending = _ORDERS[order]
+
+    def policy(view: CacheView, encoded: Encoded, rng: np.random.Generator) -> np.ndarray:
+        K = len(encoded.mask)
+        action = np.zeros(K, np.int64)
+        features = encoded.observation["blocks"].reshape(K, -1)
+        left = (view.device_blocks() - view.budget_blocks).numpy() + extra
+        legal = np.flatnonzero(encoded.mask[:, op])
+        score = features[legal, column] * (-1.0 if descending else 1.0)
+        for slot in legal[np.argsort(score, kind="stable")].tolist():
+            layer = encoded.candidates[slot][0]
+            if left[layer] > 0:
+                action[slot] = op
+                left[layer] -= 1
+        return action
+
+    return policy
+
+
+def prefetch_policy(threshold: float = 0.0) -> Policy:
+    """Prefetch the offloaded candidates more similar to the query than ``threshold``, then evict the
+    lowest-mass candidates of each layer to make room (and meet the budget)."""
+
+    def policy(view: CacheView, encoded: Encoded, rng: np.random.Generator) -> np.ndarray:
+        K = len(encoded.mask)
+        action = np.zeros(K, np.int64)
+        features = encoded.observation["blocks"].reshape(K, -1)
+        left = (view.device_blocks() - view.budget_blocks).numpy()
+        for slot in np.flatnonzero(encoded.mask[:, PREFETCH] & (features[:, 5] > threshold)).tolist():
+            action[slot] = PREFETCH
+            left[encoded.candidates[slot][0]] += 1
+        legal = np.flatnonzero(encoded.mask[:, EVICT])
+        for slot in legal[np.argsort(features[legal, 3], kind="stable")].tolist():
+            layer = encoded.candidates[slot][0]
+            if left[layer] > 0:
+                action[slot] = EVICT
+                left[layer] -= 1
+        return action
+
+    return policy
+
+
+def random_policy(probability: float = 0.2) -> Policy:
+    """Each slot, with ``probability``, takes a uniformly random legal non-keep op."""
+
+    def policy(view: CacheView, encoded: Encoded, rng: np.random.Generator) -> np.ndarray:
+        action = np.zeros(len(encoded.mask), np.int64)
+        for slot in np.flatnonzero(rng.random(len(encoded.mask)) < probability).tolist():
+            ops = np.flatnonzero(encoded.mask[slot, 1:]) + 1
+            if len(ops):
+                action[slot] = int(rng.choice(ops))
+        return action
+
+    return policy
+
+
+def controller_policy(controller) -> Policy:
+    """A cache controller projected onto the action space: its decisions on candidate blocks become the slots'
+    ops (legal ones only); decisions on other blocks are dropped (the fallback rule covers the budget)."""
+
+    def policy(view: CacheView, encoded: Encoded, rng: np.random.Generator) -> np.ndarray:
+        action = np.zeros(len(encoded.mask), np.int64)
+        slots = {candidate: slot for slot, candidate in enumerate(encoded.candidates)}
+        for decision in controller.decide(view):
+            slot = slots.get((decision.layer, decision.block))
+            if slot is not None and encoded.mask[slot, int(decision.op)]:
+                action[slot] = int(decision.op)
+        return action
+
+    return policy
+
+
+def make_policy(spec: str) -> Policy:
+    """A fresh policy from a name: a registered controller spec (``lru``, ``h2o``, ``streamingllm``, ``fifo``, ...,
+    projected with ``controller_policy``), ``fallback`` (always keep: the budget is met by the fallback rule),
+    ``evict:<order>[+extra]`` / ``merge:<order>[+extra]`` (``scripted_policy``), ``prefetch[:threshold]``, or
+    ``random[:probability]``."""
+    from agents.registry import CONTROLLERS, make_controller, parse_spec
+
+    name, _, rest = spec.partition(":")
+    if name in ("evict", "merge"):
+        order, _, extra = (rest or "mass").partition("+")
+        return scripted_policy(order, int(extra or 0), EVICT if name == "evict" else MERGE)
+    if name == "fallback":
+        return lambda view, encoded, rng: np.zeros(len(encoded.mask), np.int64)
+    if name == "prefetch":
+        return prefetch_policy(float(rest or 0.0))
+    if name == "random":
+        return random_policy(float(rest or 0.2))
+    if parse_spec(spec)[0] in CONTROLLERS:
+        return controller_policy(make_controller(spec))
+    raise ValueError(f"unknown policy {spec!r}")
+
+
+def _policy_inputs(env) -> tuple[CacheView, Encoded]:
+    if isinstance(env, PagedKVCacheReplayEnv):
+        return env.view(), env.encoded
+    return CacheView.from_cache(env.cache, env.budget), env._encoded
+
+
+def run_episode(env, policy: Policy, rng: np.random.Generator, **reset_kwargs) -> dict:
+    """One episode of ``policy`` on a live or replay env: return, KL, bytes, task score, steps, seconds (the
+    policy's own time excluded)."""
+    start = time.perf_counter()
+    env.reset(**reset_kwargs)
+    totals = {"return": 0.0, "kl": 0.0, "kl_proxy": 0.0, "bytes_moved": 0, "task_score": 0.0, "lost_mass": 0.0,
+              "fallbacks": 0}
+    steps, policy_time = 0, 0.0
+    while True:
+        tick = time.perf_counter()
+        action = policy(*_policy_inputs(env), rng)
+        policy_time += time.perf_counter() - tick
+        _, reward, terminated, truncated, info = env.step(action)
+        steps += 1
+        totals["return"] += reward
+        for key in ("kl", "kl_proxy", "bytes_moved", "task_score", "lost_mass", "fallbacks"):
+            totals[key] += info.get(key, 0)
+        if terminated or truncated:
+            break
+    return {**totals, "steps": steps, "seconds": time.perf_counter() - start - policy_time}
+
+
+def rankdata(values: Sequence[float]) -> np.ndarray:
+    """Ranks from 1, ties get their average rank (``scipy.stats.rankdata``'s default)."""
+    values = np.asarray(values, dtype=np.float64)
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    starts = np.cumsum(counts) - counts
+    return (starts + (counts + 1) / 2.0)[inverse]
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if len(x) < 2:
+        return float("nan")
+    x, y = x - x.mean(), y - y.mean()
+    denominator = math.sqrt(float((x * x).sum() * (y * y).sum()))
+    return float((x * y).sum() / denominator) if denominator > 0 else float("nan")
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation (Pearson on average ranks); NaN when either side is constant."""
+    return pearson(rankdata(x), rankdata(y))
+
+
+DEFAULT_POLICIES = ("fallback", "lru", "h2o", "streamingllm", "fifo", "evict:mass+2", "evict:newest+4",
+                    "evict:recent", "merge:neighbour", "prefetch", "random:0.2", "random:0.5")
+
+
+def replay_live_correlation(model, tokenizer, controllers: Sequence[str] = DEFAULT_POLICIES, episodes: int = 4,
+                            seed: int = 0, tasks: Sequence[str] = ("passkey",), lengths: Sequence[int] = (1024,),
+                            budget_range=(0.125, 0.5), num_candidates: int = 32, prefill_chunk: int = 64,
+                            decide_every: int = 8, max_new_tokens: int | None = None, kl_positions: int = 8,
+                            lambda_bytes: float = 0.01, lambda_task: float = 1.0, host_blocks: int | None = None,
+                            chat: bool = False, replay_kwargs: dict | None = None,
+                            progress: Callable[[dict], None] | None = None) -> dict:
+    """Run every policy in ``controllers`` (``make_policy`` specs) on the live env and on the replay env over the
+    same ``episodes`` (task sample and budget drawn by the live env's ``reset(seed=seed + e)``; the replay env
+    replays the full-cache trace of that sample at that budget), with the same decisions (each policy maps the
+    view and encoded observation to an action; its RNG is seeded per episode), and compare episode returns.
+
+    Returns ``spearman`` (all policy × episode pairs), ``spearman_within_episode`` (mean over episodes of the
+    rank correlation across policies: does replay rank policies as live does?), ``pearson``, ``spearman_kl``
+    (live KL vs replay KL), ``kl_scale_fit`` (least-squares live KL per unit of the replay's KL proxy, over whole
+    episodes: a ``kl_scale`` for the replay env), steps per second of both envs, and every pair in ``rows``.
+    """
+    from kvgym.envs.paged_kv import PagedKVCacheEnv
+    from kvgym.envs.traces import build_trace
+
+    live = PagedKVCacheEnv(model, tokenizer, tasks=tasks, lengths=lengths, budget_range=budget_range,
+                           num_candidates=num_candidates, prefill_chunk=prefill_chunk, decide_every=decide_every,
+                           max_new_tokens=max_new_tokens, kl_positions=kl_positions, lambda_bytes=lambda_bytes,
+                           lambda_task=lambda_task, host_blocks=host_blocks, chat=chat)
+    settings = dict(num_candidates=num_candidates, prefill_chunk=prefill_chunk, decide_every=decide_every,
+                    budget_range=budget_range, lambda_bytes=lambda_bytes, host_blocks=host_blocks,
+                    **(replay_kwargs or {}))
+    rows = []
+    start = time.perf_counter()
+    trace_seconds = 0.0
+    try:
+        for episode in range(episodes):
+            live.reset(seed=seed + episode)
+            tick = time.perf_counter()
+            trace = build_trace(model, tokenizer, live.prompt_ids, prefill_chunk=prefill_chunk,
+                                max_new_tokens=live.new_tokens, meta={"task": live.sample.task})
+            trace_seconds += time.perf_counter() - tick
+            replay = PagedKVCacheReplayEnv([trace], **settings)
+            fraction = live.budget_fraction
+            for spec in controllers:
+                live_result = run_episode(live, make_policy(spec), np.random.default_rng([seed, episode]),
+                                          seed=seed + episode)
+                replay_result = run_episode(replay, make_policy(spec), np.random.default_rng([seed, episode]),
+                                            options={"trace": 0, "budget_fraction": fraction})
+                row = {"episode": episode, "policy": spec, "task": live.sample.task, "length": live.sample.length,
+                       "budget_fraction": fraction, **{f"live_{k}": v for k, v in live_result.items()},
+                       **{f"replay_{k}": v for k, v in replay_result.items()}}
+                rows.append(row)
+                if progress is not None:
+                    progress(row)
+    finally:
+        live.close()
+    column = lambda key: np.array([row[key] for row in rows], np.float64)  # noqa: E731
+    live_returns, replay_returns = column("live_return"), column("replay_return")
+    within = [spearman([r["live_return"] for r in rows if r["episode"] == e],
+                       [r["replay_return"] for r in rows if r["episode"] == e]) for e in range(episodes)]
+    within = [w for w in within if not math.isnan(w)]
+    live_kl, replay_kl, proxy = column("live_kl"), column("replay_kl"), column("replay_kl_proxy")
+    fit = float(live_kl @ proxy / (proxy @ proxy)) if float(proxy @ proxy) > 0 else float("nan")
+    rate = lambda prefix: float(column(f"{prefix}_steps").sum() / max(column(f"{prefix}_seconds").sum(), 1e-9))  # noqa: E731
+    return {
+        "spearman": spearman(live_returns, replay_returns),
+        "spearman_within_episode": float(np.mean(within)) if within else float("nan"),
+        "pearson": pearson(live_returns, replay_returns),
+        "spearman_kl": spearman(live_kl, replay_kl),
+        "kl_scale_fit": fit,
+        "live_steps_per_s": rate("live"), "replay_steps_per_s": rate("replay"),
+        "policies": list(controllers), "episodes": episodes, "pairs": len(rows),
+        "seconds": time.perf_counter() - start, "trace_seconds": trace_seconds, "rows": rows,
+    }
