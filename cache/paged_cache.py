@@ -189,10 +189,11 @@ class PagedLayer(CacheLayerMixin):
 class PagedKVCache(Cache):
     """A paged, tiered KV cache for one sequence, usable as ``cache=`` in ``model(...)`` and ``generate``.
 
-    Tiers: ``device`` (attended) and ``host`` (offloaded; not attended). Operations act on
-    ``(layer, logical block)``: ``evict`` moves a device block to the host tier when it has room, else
-    drops it; ``prefetch`` brings a host block back. The sink block(s) and the newest block are pinned.
-    Every attention call's bytes read and every operation's bytes moved are counted.
+    Tiers: ``device`` (attended), ``host`` and ``disk`` (offloaded; not attended). Operations act on
+    ``(layer, logical block)``: ``evict`` moves a device block to the host tier if it has room, else to
+    disk, else drops it; ``prefetch`` brings a host or disk block back; ``merge`` folds a block into the
+    most similar kept tokens. The sink block(s) and the newest block are pinned. Every attention call's
+    bytes read and every operation's bytes moved are counted; ``close()`` deletes the disk files.
     """
 
     layer_class = PagedLayer
