@@ -46,51 +46,96 @@ class Encoded:
     candidates: list[tuple[int, int]]  # (layer, block) per slot; padded slots are absent
 
 
-def select_candidates(view: CacheView, num_candidates: int) -> list[tuple[int, int]]:
-    """Up to ``K // 2`` offloaded blocks (host/disk) most similar to the current query (prefetch candidates),
-    then device blocks that may be evicted, lowest accumulated attention first (eviction/merge candidates)."""
-    offloaded = (view.tier == Tier.HOST) | (view.tier == Tier.DISK)
-    evictable = (view.tier == Tier.DEVICE) & ~view.pinned
-    picks: list[tuple[int, int]] = []
-    if offloaded.any():
-        similarity = view.query_similarity.masked_fill(~offloaded, -np.inf).flatten()
-        count = min(int(offloaded.sum()), num_candidates // 2)
-        for flat in torch.topk(similarity, count).indices.tolist():
-            picks.append(divmod(flat, view.num_blocks))
-    if evictable.any():
-        mass = view.acc_mass.masked_fill(~evictable, np.inf).flatten()
-        count = min(int(evictable.sum()), num_candidates - len(picks))
-        order = torch.sort(mass, stable=True).indices[:count]
-        picks += [divmod(flat, view.num_blocks) for flat in order.tolist()]
-    return picks
+def smallest_stable(key: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of ``key`` ``[R, n]``, the ``counts[r]`` smallest entries in (value, column) order: exactly the head
+    of ``np.argsort(key[r], kind="stable")``, found with a partition instead of a full sort. Returns ``(rows,
+    columns, rank)`` (row-major, ranks from 0)."""
+    counts = np.minimum(counts, key.shape[1])
+    if key.shape[0] == 1:  # one row: fewer calls
+        values, count = key[0], int(counts[0])
+        if count <= 0:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        pool = np.flatnonzero(values <= np.partition(values, count - 1)[count - 1]) if count < len(values) \
+            else np.arange(len(values))
+        columns = pool[np.argsort(values[pool], kind="stable")[:count]]
+        return np.zeros(count, np.int64), columns, np.arange(count)
+    top = int(counts.max()) if counts.size else 0
+    if top == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    head = np.sort(np.partition(key, top - 1, axis=1)[:, :top] if top < key.shape[1] else key, axis=1)
+    bound = head[np.arange(key.shape[0]), np.maximum(counts, 1) - 1]
+    selected = key <= bound[:, None]
+    selected &= (counts > 0)[:, None]
+    rows, columns = np.nonzero(selected)
+    order = np.lexsort((columns, key[rows, columns], rows))
+    rows, columns = rows[order], columns[order]
+    rank = np.arange(len(rows)) - np.searchsorted(rows, rows, side="left")
+    keep = rank < counts[rows]
+    return rows[keep], columns[keep], rank[keep]
+
+
+def choose_candidates(offloaded: np.ndarray, evictable: np.ndarray, query_similarity: np.ndarray,
+                      acc_mass: np.ndarray, num_candidates: int) -> np.ndarray:
+    """Flat indices into ``[L, N]`` of the candidate slots: up to ``K // 2`` offloaded blocks (host/disk)
+    most similar to the current query (prefetch candidates), then evictable device blocks, lowest
+    accumulated attention first, ties to the lower index (eviction/merge candidates). Shared by the live
+    and the replay env, so both pick the same candidates from the same numbers."""
+    picks = []
+    count = min(int(offloaded.sum()), num_candidates // 2)
+    if count:
+        similarity = torch.from_numpy(np.where(offloaded, query_similarity, -np.inf).ravel())
+        picks.append(torch.topk(similarity, count).indices.numpy())
+    count = min(int(evictable.sum()), num_candidates - sum(len(p) for p in picks))
+    if count:
+        mass = np.where(evictable, acc_mass, np.inf).reshape(1, -1)
+        picks.append(smallest_stable(mass, np.array([count]))[1])
+    return np.concatenate(picks).astype(np.int64) if picks else np.zeros(0, np.int64)
+
+
+def candidate_features(num_layers: int, seen: int, layers: np.ndarray, first_position: np.ndarray,
+                       tier: np.ndarray, acc_mass: np.ndarray, recent_mass: np.ndarray,
+                       query_similarity: np.ndarray, neighbour_similarity: np.ndarray,
+                       sentence_boundary: np.ndarray, pinned: np.ndarray) -> np.ndarray:
+    """``[c, len(BLOCK_FEATURES)]`` float32 features of ``c`` candidates, from per-candidate arrays."""
+    seen = max(seen, 1)
+    return np.stack([
+        np.ones(len(layers)), layers / max(num_layers - 1, 1), (seen - first_position) / seen,
+        np.log1p(acc_mass.astype(np.float64)), np.log1p(recent_mass.astype(np.float64)),
+        query_similarity, neighbour_similarity,
+        tier == Tier.DEVICE, tier == Tier.HOST, tier == Tier.DISK, sentence_boundary, pinned,
+    ], axis=1).astype(np.float32)
 
 
 def encode(view: CacheView, num_candidates: int, progress: float, budget_fraction: float,
            bytes_moved_fraction: float) -> Encoded:
     """The observation dict, the [K, 4] action mask and the slot → (layer, block) map for ``view``."""
-    candidates = select_candidates(view, num_candidates)
-    blocks = np.zeros((num_candidates, len(BLOCK_FEATURES)), np.float32)
+    tier = view.tier.numpy()
+    pinned = view.pinned.numpy()
+    offloaded = (tier == Tier.HOST) | (tier == Tier.DISK)
+    evictable = (tier == Tier.DEVICE) & ~pinned
+    query_similarity = view.query_similarity.numpy()
+    flat = choose_candidates(offloaded, evictable, query_similarity, view.acc_mass.numpy(), num_candidates)
+    layers, blocks = np.divmod(flat, view.num_blocks)
+    c = len(flat)
+    blocks_features = np.zeros((num_candidates, len(BLOCK_FEATURES)), np.float32)
     mask = np.zeros((num_candidates, NUM_OPS), bool)
     mask[:, Op.KEEP] = True
-    legal = view.legal_ops
-    seen = max(view.seen, 1)
-    depth_scale = max(view.num_layers - 1, 1)
-    for slot, (layer, block) in enumerate(candidates):
-        tier = int(view.tier[layer, block])
-        blocks[slot] = (
-            1.0, layer / depth_scale, (seen - int(view.first_position[block])) / seen,
-            np.log1p(float(view.acc_mass[layer, block])), np.log1p(float(view.recent_mass[layer, block])),
-            float(view.query_similarity[layer, block]), float(view.neighbour_similarity[layer, block]),
-            tier == Tier.DEVICE, tier == Tier.HOST, tier == Tier.DISK,
-            float(view.sentence_boundary[block]), float(view.pinned[layer, block]),
-        )
-        mask[slot] = legal[layer, block].numpy()
+    if c:
+        blocks_features[:c] = candidate_features(
+            view.num_layers, view.seen, layers, view.first_position.numpy()[blocks], tier[layers, blocks],
+            view.acc_mass.numpy()[layers, blocks], view.recent_mass.numpy()[layers, blocks],
+            query_similarity[layers, blocks], view.neighbour_similarity.numpy()[layers, blocks],
+            view.sentence_boundary.numpy()[blocks], pinned[layers, blocks])
+        mask[:c] = view.legal_ops.numpy()[layers, blocks]
     observation = {
         "layer_pressure": view.pressure.numpy().astype(np.float32),
         "tier_occupancy": view.tier_occupancy.numpy().astype(np.float32),
-        "blocks": blocks.reshape(-1),
+        "blocks": blocks_features.reshape(-1),
         "globals": np.array([progress, budget_fraction, bytes_moved_fraction], np.float32),
     }
+    candidates = list(zip(layers.tolist(), blocks.tolist(), strict=True))
     return Encoded(observation=observation, mask=mask, candidates=candidates)
 
 

@@ -24,7 +24,16 @@ from cache.controller import CacheView, Op
 from cache.paged_cache import CacheConfig
 from cache.runner import budget_blocks
 from cache.tiers import Tier
-from kvgym.envs.observation import BLOCK_FEATURES, NUM_OPS, Encoded, action_space, observation_space
+from kvgym.envs.observation import (
+    BLOCK_FEATURES,
+    NUM_OPS,
+    Encoded,
+    action_space,
+    candidate_features,
+    choose_candidates,
+    observation_space,
+    smallest_stable,
+)
 from kvgym.envs.traces import Trace, trace_paths
 
 DEVICE, HOST, DISK, DROPPED, UNUSED = (int(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.DROPPED, Tier.UNUSED))
@@ -34,36 +43,6 @@ ATTENDED_SHARE = 1.0  # CacheConfig's default (BlockStats.last_attended)
 MAX_LOST = 1.0 - 1e-6  # keeps -log(1 - lost) finite
 KEEP, EVICT, MERGE, PREFETCH = (int(op) for op in (Op.KEEP, Op.EVICT, Op.MERGE, Op.PREFETCH))
 OP_NAMES = [op.name.lower() for op in Op]
-
-
-def smallest_stable(key: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row of ``key`` ``[R, n]``, the ``counts[r]`` smallest entries in (value, column) order: exactly the head
-    of ``np.argsort(key[r], kind="stable")``, found with a partition instead of a full sort. Returns ``(rows,
-    columns, rank)`` (row-major, ranks from 0)."""
-    counts = np.minimum(counts, key.shape[1])
-    if key.shape[0] == 1:  # one row: fewer calls
-        values, count = key[0], int(counts[0])
-        if count <= 0:
-            empty = np.zeros(0, np.int64)
-            return empty, empty, empty
-        pool = np.flatnonzero(values <= np.partition(values, count - 1)[count - 1]) if count < len(values) \
-            else np.arange(len(values))
-        columns = pool[np.argsort(values[pool], kind="stable")[:count]]
-        return np.zeros(count, np.int64), columns, np.arange(count)
-    top = int(counts.max()) if counts.size else 0
-    if top == 0:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
-    head = np.sort(np.partition(key, top - 1, axis=1)[:, :top] if top < key.shape[1] else key, axis=1)
-    bound = head[np.arange(key.shape[0]), np.maximum(counts, 1) - 1]
-    selected = key <= bound[:, None]
-    selected &= (counts > 0)[:, None]
-    rows, columns = np.nonzero(selected)
-    order = np.lexsort((columns, key[rows, columns], rows))
-    rows, columns = rows[order], columns[order]
-    rank = np.arange(len(rows)) - np.searchsorted(rows, rows, side="left")
-    keep = rank < counts[rows]
-    return rows[keep], columns[keep], rank[keep]
 
 
 class ReplayCacheInfo:
@@ -432,7 +411,8 @@ class PagedKVCacheReplayEnv(gym.Env):
         return pinned
 
     def _observe(self) -> dict[str, np.ndarray]:
-        """The live env's ``encode(view, ...)``, vectorised (``tests/test_replay.py`` checks they agree)."""
+        """The observation from the simulated table, through the same candidate choice and features as the
+        live env's ``encode`` (``tests/test_replay.py`` checks they agree)."""
         data, n, K, t = self.data, self.n, self.num_candidates, self.t
         tier = self.tier[:, :n]
         on_device = tier == DEVICE
@@ -440,39 +420,19 @@ class PagedKVCacheReplayEnv(gym.Env):
         pinned = self._pinned()
         evictable = on_device & ~pinned
         query_similarity = data.query_similarity[t, :, :n]
-        picks = []
-        offloaded_count = int(offloaded.sum())
-        if offloaded_count:
-            similarity = torch.from_numpy(np.where(offloaded, query_similarity, -np.inf).ravel())
-            picks.append(torch.topk(similarity, min(offloaded_count, K // 2)).indices.numpy())
-        evictable_count = int(evictable.sum())
-        if evictable_count:
-            count = min(evictable_count, K - (len(picks[0]) if picks else 0))
-            mass = np.where(evictable, self.acc_mass[:, :n], np.inf).reshape(1, -1)
-            picks.append(smallest_stable(mass, np.array([count]))[1])
-        flat = np.concatenate(picks) if picks else np.zeros(0, np.int64)
-        layers, blocks = np.divmod(flat.astype(np.int64), n)
+        flat = choose_candidates(offloaded, evictable, query_similarity, self.acc_mass[:, :n], K)
+        layers, blocks = np.divmod(flat, n)
         c = len(flat)
         features = np.zeros((K, len(BLOCK_FEATURES)), np.float32)
         mask = np.zeros((K, NUM_OPS), bool)
         mask[:, KEEP] = True
         if c:
-            seen = max(int(data.seen[t]), 1)
-            rows = self.neighbour_rows(layers, blocks)
             cand_tier = tier[layers, blocks]
-            features[:c, 0] = 1.0
-            features[:c, 1] = layers / max(self.num_layers - 1, 1)
-            features[:c, 2] = (seen - blocks * 16) / seen
-            features[:c, 3] = np.log1p(self.acc_mass[layers, blocks].astype(np.float64))
-            features[:c, 4] = np.log1p(self.recent_mass[layers, blocks].astype(np.float64))
-            features[:c, 5] = query_similarity[layers, blocks]
-            features[:c, 6] = rows
-            features[:c, 7] = cand_tier == DEVICE
-            features[:c, 8] = cand_tier == HOST
-            features[:c, 9] = cand_tier == DISK
-            if self.sentence_features:
-                features[:c, 10] = data.sentence_boundary[blocks]
-            features[:c, 11] = pinned[layers, blocks]
+            boundary = data.sentence_boundary[blocks] if self.sentence_features else np.zeros(c, bool)
+            features[:c] = candidate_features(
+                self.num_layers, int(data.seen[t]), layers, blocks * 16, cand_tier, self.acc_mass[layers, blocks],
+                self.recent_mass[layers, blocks], query_similarity[layers, blocks],
+                self.neighbour_rows(layers, blocks), boundary, pinned[layers, blocks])
             legal_evict = evictable[layers, blocks]
             mask[:c, EVICT] = legal_evict
             mask[:c, MERGE] = legal_evict & (self.device_count[layers] > 1)
