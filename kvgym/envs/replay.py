@@ -612,6 +612,17 @@ _ORDERS = {"mass": (3, False), "recent": (4, False), "oldest": (2, True), "newes
            "query": (5, False), "neighbour": (6, True)}
 
 
+def _assign_by_layer_quota(action: np.ndarray, encoded: Encoded, op: int, score: np.ndarray,
+                           left: np.ndarray) -> None:
+    """Give ``op`` to the legal slots in ascending ``score`` order while their layer's quota ``left`` lasts."""
+    legal = np.flatnonzero(encoded.mask[:, op])
+    for slot in legal[np.argsort(score[legal], kind="stable")].tolist():
+        layer = encoded.candidates[slot][0]
+        if left[layer] > 0:
+            action[slot] = op
+            left[layer] -= 1
+
+
 def scripted_policy(order: str = "mass", extra: int = 0, op: int = EVICT) -> Policy:
     """Per layer, ``op`` (evict or merge) on the layer's over-budget count (+ ``extra``) of its candidate slots,
     ranked by a feature of the observation: ``mass`` (lowest accumulated attention first), ``recent``, ``oldest``,
@@ -623,13 +634,7 @@ def scripted_policy(order: str = "mass", extra: int = 0, op: int = EVICT) -> Pol
         action = np.zeros(K, np.int64)
         features = encoded.observation["blocks"].reshape(K, -1)
         left = (view.device_blocks() - view.budget_blocks).numpy() + extra
-        legal = np.flatnonzero(encoded.mask[:, op])
-        score = features[legal, column] * (-1.0 if descending else 1.0)
-        for slot in legal[np.argsort(score, kind="stable")].tolist():
-            layer = encoded.candidates[slot][0]
-            if left[layer] > 0:
-                action[slot] = op
-                left[layer] -= 1
+        _assign_by_layer_quota(action, encoded, op, features[:, column] * (-1.0 if descending else 1.0), left)
         return action
 
     return policy
@@ -647,12 +652,7 @@ def prefetch_policy(threshold: float = 0.0) -> Policy:
         for slot in np.flatnonzero(encoded.mask[:, PREFETCH] & (features[:, 5] > threshold)).tolist():
             action[slot] = PREFETCH
             left[encoded.candidates[slot][0]] += 1
-        legal = np.flatnonzero(encoded.mask[:, EVICT])
-        for slot in legal[np.argsort(features[legal, 3], kind="stable")].tolist():
-            layer = encoded.candidates[slot][0]
-            if left[layer] > 0:
-                action[slot] = EVICT
-                left[layer] -= 1
+        _assign_by_layer_quota(action, encoded, EVICT, features[:, 3], left)
         return action
 
     return policy
