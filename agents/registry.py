@@ -1,6 +1,7 @@
 """Controllers by name, with parameters from ``configs/controllers/<name>.yaml`` and command-line overrides.
 
-A spec is ``name`` or ``name:key=value,key=value`` (values parsed as YAML: ``0.98``, ``true``, ``[1, 2]``).
+A spec is ``name`` or ``name:key=value,key=value`` (values parsed as YAML: ``0.98``, ``true``, ``[1, 2]``); a
+controller with a ``positional_parameter`` takes a bare first value for it (``ppo:policies/ppo_smollm2.zip``).
 The same specs serve the CLI (``--controller h2o:recent_tokens=128``), the environment and the evaluation.
 """
 
@@ -27,7 +28,11 @@ CONTROLLERS: dict[str, str] = {
     "quest": "agents.baselines.quest:Quest",
     "spindlekv": "agents.baselines.spindlekv:SpindleKV",
     "oracle": "agents.baselines.oracle:Oracle",
+    "ppo": "agents.ppo.controller:PPOController",
 }
+
+
+POSITIONAL = "<positional>"  # parse_spec's key for a bare first value
 
 
 def register(name: str, target: str) -> None:
@@ -46,8 +51,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     """``"h2o:recent_tokens=128,heavy=0.5"`` → ``("h2o", {"recent_tokens": 128, "heavy": 0.5})``."""
     name, _, rest = spec.strip().partition(":")
     overrides = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
+    for position, item in enumerate(filter(None, (part.strip() for part in rest.split(",")))):
         key, sep, value = item.partition("=")
+        if not sep and position == 0:
+            overrides[POSITIONAL] = item
+            continue
         if not sep or not key.strip():
             raise ValueError(f"controller spec {spec!r}: expected key=value after ':', got {item!r}")
         overrides[key.strip()] = yaml.safe_load(value)
@@ -68,9 +76,15 @@ def make_controller(spec: str):
     """Build a controller from a spec; YAML defaults first, then the spec's overrides."""
     name, overrides = parse_spec(spec)
     cls = controller_class(name)
+    names = ([field.name for field in dataclasses.fields(cls) if field.init and not field.name.startswith("_")]
+             if dataclasses.is_dataclass(cls) else [])
+    if POSITIONAL in overrides:
+        positional = getattr(cls, "positional_parameter", None)
+        if positional is None:
+            raise ValueError(f"controller spec {spec!r}: expected key=value after ':', got {overrides[POSITIONAL]!r}")
+        overrides[positional] = overrides.pop(POSITIONAL)
     params = {**config_defaults(name), **overrides}
-    fields = ({field.name for field in dataclasses.fields(cls) if field.init and not field.name.startswith("_")}
-              if dataclasses.is_dataclass(cls) else set())
+    fields = set(names)
     unknown = sorted(set(params) - fields)
     if unknown:
         raise ValueError(f"controller {name!r} has no parameter(s) {unknown}; "

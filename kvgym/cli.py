@@ -8,6 +8,9 @@ Subcommands:
   kvgym bench ops [options]        operation times, CacheView cost, budgeted vs full decode (JSON)
   kvgym eval [options]             tasks × lengths × controllers × budgets vs the full cache (JSONL, CSV, MD, PNG)
   kvgym traces build [options]     full-cache attention traces of task samples for the replay env (.pt + index.json)
+  kvgym train --config C [k=v ...] MaskablePPO on the replay env, live evaluation, TensorBoard, checkpoints (--resume)
+  kvgym bench policy [options]     time per decision of a trained policy (direct path vs SB3 predict) (JSON)
+  kvgym tensorboard [--logdir D]   TensorBoard on the training runs (offline)
 """
 
 from __future__ import annotations
@@ -95,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cache.add_argument("--prefill-repeats", type=int, default=3)
     bench_cache.add_argument("--json", type=Path, required=True, help="where to write the results")
 
+    bench_policy = bench_kinds.add_parser("policy", help="time per decision of a trained policy (K = 32: <= 1 ms)")
+    bench_policy.add_argument("--policy", type=Path, default=None,
+                              help="a policy file (default: an untrained policy of --layers x --candidates)")
+    bench_policy.add_argument("--layers", type=int, default=30, help="layers of the untrained policy (SmolLM2: 30)")
+    bench_policy.add_argument("--candidates", type=int, default=32, help="K of the untrained policy")
+    bench_policy.add_argument("--repeats", type=int, default=300)
+    bench_policy.add_argument("--model", default=None,
+                              help="also time decide() on this model's live cache view (e.g. smollm2-135m)")
+    bench_policy.add_argument("--json", type=Path, required=True, help="where to write the results")
+
     bandwidth = commands.add_parser("bandwidth", help="attention bytes per call vs context: full cache vs a budget")
     _add_model_args(bandwidth)
     bandwidth.add_argument("--max-tokens", type=int, default=8192, help="tokens of the corpus to stream (its first N)")
@@ -154,6 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     traces_build.add_argument("--chat", action="store_true", help="wrap the prompts in the chat template")
     traces_build.add_argument("--out", type=Path, required=True,
                               help="folder for <task>_<length>_<index>.pt and index.json (reruns resume)")
+    train = commands.add_parser("train", help="train a PPO cache policy (replay env, live evaluation)")
+    train.add_argument("--config", default="ppo_smollm2",
+                       help="a YAML file, or a name under configs/train (ppo_smollm2, ppo_tiny)")
+    train.add_argument("--resume", action="store_true", help="continue runs/<name>/ from its newest checkpoint")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="config overrides, e.g. total_timesteps=20000 ppo.learning_rate=1e-4 name=try2")
+
+    board = commands.add_parser("tensorboard", help="start TensorBoard on the training runs (offline)")
+    board.add_argument("--logdir", type=Path, default=Path("runs"))
+    board.add_argument("--port", type=int, default=6006)
     return parser
 
 
@@ -250,6 +274,16 @@ def cmd_bench(args) -> int:
     from cache.benchmark import bench_cache, bench_ops
     from cache.models import load_model
 
+    if args.bench == "policy":
+        from agents.ppo.benchmark import bench_policy
+
+        model = load_model(args.model).model if args.model else None
+        report = bench_policy(args.policy, args.layers, args.candidates, args.repeats, model=model)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(json.dumps({k: report[k] for k in ("direct_masked_argmax", "sb3_predict", "meets_target")}, indent=1))
+        print(f"wrote {args.json}")
+        return 0
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.bench == "ops":
         report = bench_ops(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts, budget=args.budget,
@@ -306,13 +340,30 @@ def cmd_traces(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from agents.ppo.train import load_config, train
+
+    config = load_config(args.config, args.overrides)
+    train(config, resume=args.resume, progress_bar=not args.no_progress)
+    return 0
+
+
+def cmd_tensorboard(args) -> int:
+    import subprocess
+
+    args.logdir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(args.logdir), "--port", str(args.port)]
+    print(" ".join(command))
+    return subprocess.call(command)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth,
-                "eval": cmd_eval, "traces": cmd_traces}
+                "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "tensorboard": cmd_tensorboard}
     try:
         return handlers[args.command](args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"kvgym {args.command}: error: {err}", file=sys.stderr)
         return 2
 

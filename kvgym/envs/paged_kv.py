@@ -244,6 +244,19 @@ class PagedKVCacheEnv(gym.Env):
             raise RuntimeError("the episode has ended; call reset()")
         assert self.action_space.contains(np.asarray(action, dtype=np.int64)), f"invalid action {action!r}"
         decisions, illegal = decode_action(action, self._encoded)
+        return self.step_decisions(decisions, illegal)
+
+    def cache_view(self) -> CacheView:
+        """What a ``Controller`` sees at this decision point."""
+        return CacheView.from_cache(self.cache, self.budget)
+
+    def step_decisions(self, decisions: list, illegal: int = 0):
+        """``step`` with ``Decision``s instead of an action: runs a controller (a baseline, or a loaded policy)
+        through the same episode, rewards and info as the agent (``decisions = controller.decide(env.cache_view())``)."""
+        if self.cache is None:
+            raise RuntimeError("call reset() before step_decisions()")
+        if self.done:
+            raise RuntimeError("the episode has ended; call reset()")
         moved_before = sum(self.cache.bytes_moved.values())
         ops = apply_decisions(self.cache, decisions)
         fallbacks = self.cache.enforce_budget(self.budget)
