@@ -53,7 +53,12 @@ def causal_mask(q_len: int, kv_len: int, device, last_rows: int | None = None) -
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                            scaling: float | None = None, paged_cache=None, **kwargs):
+                            scaling: float | None = None, paged_cache=None, paged_batch=None, **kwargs):
+    if paged_batch is not None:  # a BatchedPagedCache forward: row i attends its own cache
+        caches, rows = paged_batch
+        outputs = [paged_attention_forward(module, query[i : i + 1], k, v, None, dropout, scaling, paged_cache=cache)[0]
+                   for i, (cache, (k, v)) in enumerate(zip(caches, rows, strict=True))]
+        return torch.cat(outputs, dim=0), None
     if paged_cache is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

@@ -5,6 +5,7 @@ from gymnasium.envs.registration import register
 register(
     id="kvgym/PagedKVCache-v0",
     entry_point="kvgym.envs.paged_kv:PagedKVCacheEnv",
+    vector_entry_point="kvgym.envs.vector:PagedKVCacheVectorEnv",  # one model, batched forwards
     max_episode_steps=4096,
 )
 

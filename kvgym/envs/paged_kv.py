@@ -26,6 +26,16 @@ class Reference:
     tokens: list[int]
 
 
+def drive(forwards, forward) -> float:
+    """Run a ``forwards`` generator to its end with ``forward(ids) -> logits``; returns its value (the KL)."""
+    try:
+        ids = next(forwards)
+        while True:
+            ids = forwards.send(forward(ids))
+    except StopIteration as stop:
+        return stop.value
+
+
 def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
     """Sum over positions of KL(reference || softmax(logits)); ``reference`` holds log-probabilities."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -163,7 +173,15 @@ class PagedKVCacheEnv(gym.Env):
         return reference
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
+        self.start_episode(seed)
+        kl = self._advance()
+        return self.first_observation(kl)
+
+    def start_episode(self, seed: int | None = None) -> None:
+        """Draw the sample and budget and set up the cache; the first prefill chunk is ``forwards``' job."""
         super().reset(seed=seed)
+        if self.cache is not None:
+            self.cache.close()
         rng = self.np_random
         task = self.tasks[int(rng.integers(len(self.tasks)))]
         length = self.lengths[int(rng.integers(len(self.lengths)))]
@@ -185,23 +203,32 @@ class PagedKVCacheEnv(gym.Env):
         self.chunk_index, self.generated, self.done = 0, [], False
         self.next_token: int | None = None
         self.bytes_moved_total = 0
-        kl = self._advance()
+
+    def first_observation(self, kl: float):
+        """``reset``'s return value, once the first prefill chunk has run."""
         return self._observe(), self._info(kl=kl, bytes_moved=0, fallbacks=0, task_score=0.0, ops={},
                                            within_budget=True, illegal_ops=0)
 
     @torch.no_grad()
     def _advance(self) -> float:
         """Run to the next decision point; returns the KL accumulated on the way."""
+        return drive(self.forwards(), lambda ids: self.model(input_ids=ids, cache=self.cache, use_cache=True,
+                                                               logits_to_keep=self.kl_positions).logits[0])
+
+    def forwards(self):
+        """The forward passes to the next decision point, as a generator: yields the input ids ``[1, q]`` of
+        each forward and receives its logits ``[min(q, kl_positions), vocab]``; returns the KL accumulated.
+        ``_advance`` drives it with one model call per forward; ``PagedKVCacheVecEnv`` drives N of them with
+        one batched model call per forward."""
         kl = 0.0
         if self.chunk_index * self.prefill_chunk < len(self.prompt_ids):
             start = self.chunk_index * self.prefill_chunk
-            chunk = torch.tensor([self.prompt_ids[start : start + self.prefill_chunk]])
-            out = self.model(input_ids=chunk, cache=self.cache, use_cache=True, logits_to_keep=self.kl_positions)
+            logits = yield torch.tensor([self.prompt_ids[start : start + self.prefill_chunk]])
             reference = self.reference.prefill_logprobs[self.chunk_index]
-            kl += _kl(reference, out.logits[0, -reference.shape[0]:])
+            kl += _kl(reference, logits[-reference.shape[0]:])
             self.chunk_index += 1
             if self.chunk_index * self.prefill_chunk >= len(self.prompt_ids):
-                self.next_token = int(out.logits[0, -1].argmax())
+                self.next_token = int(logits[-1].argmax())
             return kl
         for _ in range(self.decide_every):
             step = len(self.generated)
@@ -209,9 +236,9 @@ class PagedKVCacheEnv(gym.Env):
             if step + 1 >= self.new_tokens or self._is_eos(self.next_token):
                 self.done = True
                 return kl
-            out = self.model(input_ids=torch.tensor([[self.next_token]]), cache=self.cache, use_cache=True)
-            kl += _kl(self.reference.decode_logprobs[step : step + 1], out.logits[0, -1:])
-            self.next_token = int(out.logits[0, -1].argmax())
+            logits = yield torch.tensor([[self.next_token]])
+            kl += _kl(self.reference.decode_logprobs[step : step + 1], logits[-1:])
+            self.next_token = int(logits[-1].argmax())
             if any(self.cache.tables.count_in(layer, Tier.DEVICE) > self.budget[layer]
                    for layer in range(self.num_layers)):
                 break
@@ -257,6 +284,11 @@ class PagedKVCacheEnv(gym.Env):
             raise RuntimeError("call reset() before step_decisions()")
         if self.done:
             raise RuntimeError("the episode has ended; call reset()")
+        pending = self.apply(decisions, illegal)
+        return self.finish_step(self._advance(), pending)
+
+    def apply(self, decisions: list, illegal: int = 0) -> dict:
+        """The first half of a step: the decisions, then the budget fallback; returns what ``finish_step`` needs."""
         moved_before = sum(self.cache.bytes_moved.values())
         ops = apply_decisions(self.cache, decisions)
         fallbacks = self.cache.enforce_budget(self.budget)
@@ -264,14 +296,14 @@ class PagedKVCacheEnv(gym.Env):
                             for layer in range(self.num_layers))
         moved = sum(self.cache.bytes_moved.values()) - moved_before
         self.bytes_moved_total += moved
-        kl = self._advance()
-        task_score = 0.0
-        if self.done:
-            task_score = self._task_score()
-        reward = -kl - self.lambda_bytes * moved / 2**20 + self.lambda_task * task_score
+        return dict(bytes_moved=moved, fallbacks=fallbacks, ops=ops, within_budget=within_budget, illegal_ops=illegal)
+
+    def finish_step(self, kl: float, pending: dict):
+        """The second half of a step, after the forwards to the next decision point: reward, observation, info."""
+        task_score = self._task_score() if self.done else 0.0
+        reward = -kl - self.lambda_bytes * pending["bytes_moved"] / 2**20 + self.lambda_task * task_score
         observation = self._observe()
-        info = self._info(kl=kl, bytes_moved=moved, fallbacks=fallbacks, task_score=task_score, ops=ops,
-                          within_budget=within_budget, illegal_ops=illegal)
+        info = self._info(kl=kl, task_score=task_score, **pending)
         return observation, float(reward), self.done, False, info
 
     def _task_score(self) -> float:
