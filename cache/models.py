@@ -153,6 +153,23 @@ def parse_dtype(name: str | None, device: str) -> torch.dtype:
     return choices[name]
 
 
+def tiny_random_llama(vocab_size: int = 256, seed: int = 0, max_positions: int = 1024):
+    """A 2-layer random Llama with GQA (4 query heads, 2 KV heads), wired for paged attention: for tests and
+    for benchmarks of the machinery around the model (its outputs mean nothing)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cache.attention import PAGED_ATTENTION, register_paged_attention
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    model = LlamaForCausalLM(config).eval()
+    register_paged_attention()
+    model.set_attn_implementation(PAGED_ATTENTION)
+    return model
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module

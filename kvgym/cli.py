@@ -9,6 +9,7 @@ Subcommands:
   kvgym eval [options]             tasks × lengths × controllers × budgets vs the full cache (JSONL, CSV, MD, PNG)
   kvgym traces build [options]     full-cache attention traces of task samples for the replay env (.pt + index.json)
   kvgym train --config C [k=v ...] MaskablePPO on the replay env, live evaluation, TensorBoard, checkpoints (--resume)
+  kvgym bench env [options]        env steps/s (live single/batched, replay) and replay-live correlation (JSON)
   kvgym bench policy [options]     time per decision of a trained policy (direct path vs SB3 predict) (JSON)
   kvgym tensorboard [--logdir D]   TensorBoard on the training runs (offline)
 """
@@ -107,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench_policy.add_argument("--model", default=None,
                               help="also time decide() on this model's live cache view (e.g. smollm2-135m)")
     bench_policy.add_argument("--json", type=Path, required=True, help="where to write the results")
+
+    bench_env = bench_kinds.add_parser("env", help="env steps/s: live single and batched, replay; replay-live correlation")
+    bench_env.add_argument("--model", default="smollm2-135m", help="the real model (or 'none': the tiny model only)")
+    bench_env.add_argument("--num-envs", type=parse_int_list, default=[4, 8], help="batched env sizes")
+    bench_env.add_argument("--live-steps", type=int, default=24, help="live steps per measurement (x4 on the tiny model)")
+    bench_env.add_argument("--replay-steps", type=int, default=3000)
+    bench_env.add_argument("--traces", type=Path, default=None, help="replay traces (default: build one here)")
+    bench_env.add_argument("--correlation-episodes", type=int, default=3, help="0 skips the correlation")
+    bench_env.add_argument("--json", type=Path, required=True, help="where to write the results")
 
     bandwidth = commands.add_parser("bandwidth", help="attention bytes per call vs context: full cache vs a budget")
     _add_model_args(bandwidth)
@@ -274,6 +284,16 @@ def cmd_bench(args) -> int:
     from cache.benchmark import bench_cache, bench_ops
     from cache.models import load_model
 
+    if args.bench == "env":
+        from kvgym.envs.benchmark import bench_env, write_report
+
+        model = None if args.model.lower() == "none" else load_model(args.model)
+        report = bench_env(model, args.num_envs, args.live_steps, args.replay_steps,
+                           str(args.traces) if args.traces else None, args.correlation_episodes,
+                           progress=lambda row: print(json.dumps(row, default=str), flush=True))
+        write_report(report, args.json)
+        print(f"wrote {args.json}")
+        return 0
     if args.bench == "policy":
         from agents.ppo.benchmark import bench_policy
 

@@ -8,23 +8,13 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 def make_tiny_llama(vocab_size: int = 256, seed: int = 0):
     """A 2-layer random Llama with GQA (4 query heads, 2 KV heads), wired for paged attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from cache.models import tiny_random_llama
 
-    from cache.attention import PAGED_ATTENTION, register_paged_attention
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    model = LlamaForCausalLM(config).eval()
-    register_paged_attention()
-    model.set_attn_implementation(PAGED_ATTENTION)
-    return model
+    return tiny_random_llama(vocab_size, seed)
 
 
 @pytest.fixture(scope="session")

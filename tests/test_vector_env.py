@@ -116,3 +116,16 @@ def test_gymnasium_make_vec_uses_the_batched_env(model):
             assert "final_obs" in infos and infos["_final_obs"][terminated].all()
     assert finished >= 1
     envs.close()
+
+
+def test_bench_env_tiny_writes_rates(tmp_path):
+    """``kvgym bench env --model none``: the tiny model's single and batched live rates (SmolLM2's tokenizer)."""
+    from kvgym.cli import main
+
+    path = tmp_path / "env.json"
+    assert main(["bench", "env", "--model", "none", "--num-envs", "2", "--live-steps", "2", "--json", str(path)]) == 0
+    import json
+
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["mode"], r["num_envs"]) for r in rows] == [("live", 1), ("live_batched", 2)]
+    assert all(r["steps_per_s"] > 0 and r["steps"] >= 2 for r in rows)
