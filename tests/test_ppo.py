@@ -19,7 +19,8 @@ from tests.test_env import ByteTokenizer, make_env  # noqa: F401  (registers the
 
 TINY = ["traces.tasks=[toy_recall]", "traces.lengths=[160]", "traces.n=2", "eval.tasks=[toy_recall]",
         "eval.lengths=[160]", "env.prefill_chunk=32", "env.decide_every=2", "env.budget_range=[0.3, 0.6]",
-        "eval.budget_range=[0.3, 0.6]", "eval.every=128", "total_timesteps=256", "checkpoint_every=128"]
+        "eval.budget_range=[0.3, 0.6]", "eval.every=128", "total_timesteps=256", "checkpoint_every=128",
+        "imitation.teacher=merge:mass", "imitation.steps=96", "imitation.epochs=3"]
 
 
 def tiny_config(tmp_path, *extra):
@@ -95,6 +96,10 @@ def test_training_writes_tensorboard_scalars(trained):
     kl = [event.value for event in events.Scalars("cache/kl")]
     assert all(np.isfinite(kl)) and max(kl) > 0  # budgets below 1 lose attention mass
     assert {event.step for event in events.Scalars("accuracy/ppo")} >= {128, 256}
+    losses = [event.value for event in events.Scalars("imitation/loss")]
+    assert len(losses) == 3 and losses[-1] < losses[0]  # cloning the teacher lowers its loss
+    imitation = json.loads((trained["run_dir"] / "imitation.json").read_text())
+    assert imitation["teacher"] == "merge:mass" and imitation["samples"] == 96 and 0 <= imitation["agreement"] <= 1
     run = json.loads((trained["run_dir"] / "run.json").read_text())
     assert len(run["starts"]) == 2 and run["starts"][1]["resumed_from"]
     assert (trained["run_dir"] / "config.yaml").is_file()

@@ -47,6 +47,7 @@ DEFAULTS: dict = {
     "normalize": {"norm_obs_keys": ["layer_pressure", "globals"], "norm_reward": True, "clip_obs": 10.0,
                   "clip_reward": 10.0},
     "policy": {"hidden": 64, "keep_bias": 2.0},
+    "imitation": {"teacher": None, "steps": 4000, "epochs": 10, "batch_size": 256, "learning_rate": 1e-3},
     "ppo": {"learning_rate": 3e-4, "n_steps": 256, "batch_size": 512, "n_epochs": 4, "gamma": 0.99,
             "gae_lambda": 0.95, "clip_range": 0.2, "ent_coef": 0.0, "vf_coef": 0.5, "max_grad_norm": 0.5,
             "target_kl": 0.03},
@@ -376,6 +377,8 @@ def train(config: dict, resume: bool = False, model=None, tokenizer=None, progre
         agent = MaskablePPO(SlotScorerPolicy, venv, policy_kwargs=dict(config["policy"]), seed=seed, device="cpu",
                             verbose=0, **config["ppo"])
     agent.set_logger(configure(str(run_dir / "tb"), ["tensorboard", "csv"]))
+    if not checkpoint and config["imitation"]["teacher"]:
+        _imitate(agent, venv, config, folder, run_dir)
     _write_layout(run_dir / "tb")
 
     CacheScalars, LiveEval = _callbacks()
@@ -411,6 +414,28 @@ def train(config: dict, resume: bool = False, model=None, tokenizer=None, progre
     print(f"policy written to {path} ({agent.num_timesteps} timesteps); TensorBoard: tensorboard --logdir "
           f"{config['runs_dir']}")
     return run_dir
+
+
+def _imitate(agent, venv, config: dict, folder: Path, run_dir: Path) -> None:
+    """Behaviour-clone the configured teacher before PPO (``agents.ppo.imitation``); logs ``imitation/*``."""
+    from agents.ppo.imitation import clone, collect
+
+    settings = config["imitation"]
+    env = make_replay_env(config, folder).unwrapped
+    data = collect(env, settings["teacher"], int(settings["steps"]), seed=int(config["seed"]))
+    losses = clone(agent, venv, data, epochs=int(settings["epochs"]), batch_size=int(settings["batch_size"]),
+                   learning_rate=float(settings["learning_rate"]), seed=int(config["seed"]))
+    actions, _ = agent.predict(venv.normalize_obs(data["observations"]), action_masks=data["masks"],
+                               deterministic=True)
+    agreement = float((actions == data["actions"]).mean())
+    for epoch, loss in enumerate(losses):
+        agent.logger.record("imitation/loss", loss)
+        agent.logger.dump(epoch)
+    agent.logger.record("imitation/agreement", agreement)
+    agent.logger.dump(len(losses))
+    (run_dir / "imitation.json").write_text(json.dumps({"teacher": settings["teacher"], "samples": len(data["actions"]),
+                                                        "losses": losses, "agreement": agreement}, indent=2))
+    print(f"imitation of {settings['teacher']}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, agreement {agreement:.3f}")
 
 
 def _write_layout(log_dir: Path) -> None:

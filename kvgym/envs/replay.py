@@ -691,8 +691,8 @@ def controller_policy(controller) -> Policy:
 def make_policy(spec: str) -> Policy:
     """A fresh policy from a name: a registered controller spec (``lru``, ``h2o``, ``streamingllm``, ``fifo``, ...,
     projected with ``controller_policy``), ``fallback`` (always keep: the budget is met by the fallback rule),
-    ``evict:<order>[+extra]`` / ``merge:<order>[+extra]`` (``scripted_policy``), ``prefetch[:threshold]``, or
-    ``random[:probability]``."""
+    ``evict:<order>[+extra]`` / ``merge:<order>[+extra]`` (``scripted_policy``), ``prefetch[:threshold]``,
+    ``random[:probability]``, or ``ppo:PATH`` (a trained policy acting on the encoded observation)."""
     from agents.registry import CONTROLLERS, make_controller, parse_spec
 
     name, _, rest = spec.partition(":")
@@ -705,6 +705,11 @@ def make_policy(spec: str) -> Policy:
         return prefetch_policy(float(rest or 0.0))
     if name == "random":
         return random_policy(float(rest or 0.2))
+    if name == "ppo":  # a trained policy on its own observation (not projected through decide)
+        from agents.ppo.controller import PPOController
+
+        controller = PPOController.load(rest)
+        return lambda view, encoded, rng: controller.act(encoded.observation, encoded.mask)
     if parse_spec(spec)[0] in CONTROLLERS:
         return controller_policy(make_controller(spec))
     raise ValueError(f"unknown policy {spec!r}")
