@@ -32,6 +32,9 @@ CONTROLLERS: dict[str, str] = {
 }
 
 
+LEARNED = {"ppo"}  # controllers loaded from a trained file (the rest are the baselines)
+BASELINES = sorted(set(CONTROLLERS) - LEARNED)
+
 POSITIONAL = "<positional>"  # parse_spec's key for a bare first value
 
 

@@ -4,7 +4,7 @@ own decisions at every decision point (no fallback evictions), and only legal op
 import pytest
 import torch
 
-from agents.registry import CONTROLLERS, make_controller, parse_spec
+from agents.registry import BASELINES, make_controller, parse_spec
 from cache.controller import CacheView, Op
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner
@@ -38,7 +38,7 @@ class Checked:
         return decisions
 
 
-@pytest.mark.parametrize("name", sorted(CONTROLLERS))
+@pytest.mark.parametrize("name", BASELINES)
 def test_controller_meets_the_budget_itself_at_every_decision(tiny_model, name):
     controller = Checked(make_controller(name))
     runner = Runner(tiny_model, controller=controller, budget=5, prefill_chunk=32, decide_every=3,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.registry import CONTROLLERS, make_controller
+from agents.registry import BASELINES, make_controller
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner
 from eval.tasks.passkey import passkey_sample, score_passkey
@@ -32,7 +32,7 @@ def build_controller(name, smollm2, ids, max_new_tokens):
 def test_every_baseline_on_passkey_2k(smollm2):
     tokenizer = smollm2.tokenizer
     report = {}
-    for name in sorted(CONTROLLERS):
+    for name in BASELINES:
         correct = []
         for seed in SEEDS:
             sample = passkey_sample(tokenizer, 2000, seed=seed, depth=0.5)
