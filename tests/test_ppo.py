@@ -68,7 +68,7 @@ def test_config_errors_name_the_key():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A 256-step run on the tiny model, then resumed to 384 steps."""
+    """A 256-step run on the tiny model, then resumed to 384 steps and fine-tuned live for 64."""
     tmp_path = tmp_path_factory.mktemp("ppo")
     model, tokenizer = make_tiny_llama(), ByteTokenizer()
     config = tiny_config(tmp_path)
@@ -77,7 +77,7 @@ def trained(tmp_path_factory):
     first_meta, _ = read_policy(run_dir / "policy.zip")
     with pytest.raises(FileExistsError, match="--resume"):
         train(config, model=model, tokenizer=tokenizer, progress_bar=False)
-    resumed = tiny_config(tmp_path, "total_timesteps=384")
+    resumed = tiny_config(tmp_path, "total_timesteps=384", "live_finetune_timesteps=64")
     train(resumed, resume=True, model=model, tokenizer=tokenizer, progress_bar=False)
     return dict(run_dir=run_dir, first=first, first_meta=first_meta, model=model, tokenizer=tokenizer,
                 config=resumed)
@@ -109,8 +109,10 @@ def test_checkpoint_and_resume(trained, tmp_path):
     path, stats, steps = trained["first"]
     assert steps == 256 and path.is_file() and stats.is_file()
     assert trained["first_meta"]["timesteps"] == 256
-    meta, _ = read_policy(trained["run_dir"] / "policy.zip")
-    assert meta["timesteps"] >= 384 and meta["config"]["total_timesteps"] == 384
+    replay_meta, _ = read_policy(trained["run_dir"] / "policy_replay.zip")
+    assert replay_meta["timesteps"] == 384 and replay_meta["config"]["total_timesteps"] == 384
+    meta, _ = read_policy(trained["run_dir"] / "policy.zip")  # after the live fine-tune on the batched env
+    assert meta["timesteps"] >= 384 + 64  # PPO collects whole rollouts (n_steps x n_envs = 128)
     assert latest_checkpoint(trained["run_dir"])[2] == 384
     # a checkpoint cut short by a kill is skipped: resume falls back to the previous one
     copy = tmp_path / "run"
@@ -196,3 +198,10 @@ def test_bench_policy_reports_times_and_matches_sb3(trained):
     assert fresh["num_candidates"] == 32 and fresh["same_action_as_sb3"] is True
     space = observation_space(4, 32)
     assert space["blocks"].shape == (32 * len(BLOCK_FEATURES),)
+
+
+def test_cli_train_refuses_unknown_keys(capsys):
+    from kvgym.cli import main
+
+    assert main(["train", "--config", "ppo_tiny", "ppo.lr=3"]) == 2
+    assert "'ppo.lr' is unknown" in capsys.readouterr().err

@@ -13,7 +13,7 @@ A run lives in ``<runs_dir>/<name>/``:
 Training steps the replay env (``kvgym traces build``; the traces are built first when missing), in
 ``n_envs`` copies under ``DummyVecEnv`` (no model in the loop), with ``VecNormalize`` on the rewards and on the
 per-layer and global observation keys only (``blocks`` holds one-hots and per-slot features whose slot order
-carries meaning, so it is left as is). An optional live fine-tune follows (``live_finetune_timesteps``).
+carries meaning, so it is left as is). An optional live fine-tune follows (``live_finetune_timesteps``, on the batched live vector env).
 Evaluation runs the live env (the model decodes) on held-out sample seeds.
 """
 
@@ -402,8 +402,19 @@ def train(config: dict, resume: bool = False, model=None, tokenizer=None, progre
     save_policy(agent, run_dir / "policy_replay.zip", venv, {**extra, "timesteps": agent.num_timesteps})
 
     live_steps = int(config["live_finetune_timesteps"])
-    if live_steps > 0:
-        live = _vec_normalize(DummyVecEnv([lambda: make_live_env(config, model, tokenizer) for _ in range(n_envs)]), config)
+    if live_steps > 0:  # n_envs live episodes on the training tasks, one batched forward per step
+        from stable_baselines3.common.vec_env import VecMonitor
+
+        from kvgym.envs.vector import PagedKVCacheVecEnv
+
+        env_config = config["env"]
+        batched = PagedKVCacheVecEnv(
+            n_envs, model=model, tokenizer=tokenizer, max_episode_steps=env_config["max_episode_steps"],
+            tasks=tuple(config["traces"]["tasks"]), lengths=tuple(config["traces"]["lengths"]),
+            budget_range=tuple(env_config["budget_range"]), num_candidates=env_config["num_candidates"],
+            prefill_chunk=env_config["prefill_chunk"], decide_every=env_config["decide_every"],
+            lambda_bytes=env_config["lambda_bytes"], chat=config["traces"]["chat"])
+        live = _vec_normalize(VecMonitor(batched), config)
         live.obs_rms, live.ret_rms = venv.obs_rms, venv.ret_rms
         live.seed(seed + 10_000)
         agent.set_env(live)
