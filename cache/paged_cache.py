@@ -70,6 +70,10 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
+FALLBACK_RULES = ("lowest_mass", "heavy_recent", "oldest")
+RECENT_PENALTY = 1e9  # added to a recent block's eviction key: it sorts after every older block
+
+
 class PagedLayer(CacheLayerMixin):
     """One decoder layer's view of the paged cache; all state lives in the parent ``PagedKVCache``."""
 
@@ -506,21 +510,26 @@ class PagedKVCache(Cache):
         """Evict until every layer has at most ``budget_blocks[layer]`` device blocks; returns evictions made.
 
         ``rule`` picks the victim among unpinned device blocks: ``lowest_mass`` (lowest accumulated
-        attention mass, ties to the oldest) or ``oldest``.
+        attention mass, ties to the oldest), ``heavy_recent`` (H2O's split: the newest ``budget // 2``
+        logical blocks are a protected recent window, the others go by lowest accumulated mass; recent
+        blocks are taken, by mass, only when nothing else is left) or ``oldest``.
         """
-        if rule not in ("lowest_mass", "oldest"):
-            raise ValueError(f"unknown fallback rule {rule!r}: use 'lowest_mass' or 'oldest'")
+        if rule not in FALLBACK_RULES:
+            raise ValueError(f"unknown fallback rule {rule!r}: use one of {FALLBACK_RULES}")
         evictions = 0
+        n = self.num_logical_blocks()
         for layer in range(self.num_layers):
             excess = self.tables.count_in(layer, Tier.DEVICE) - budget_blocks[layer]
             if excess <= 0:
                 continue
             candidates = self.tables.blocks_in(layer, Tier.DEVICE)
             candidates = candidates[~self.pinned_mask(layer)[candidates]]
-            if rule == "lowest_mass":
-                # stable sort keeps ascending block order among equal masses: oldest first
-                order = torch.sort(self.stats.acc_mass[layer, candidates], stable=True).indices
-                candidates = candidates[order]
+            if rule != "oldest":
+                key = self.stats.acc_mass[layer, candidates].double()
+                if rule == "heavy_recent":
+                    key = key + (candidates >= n - budget_blocks[layer] // 2).double() * RECENT_PENALTY
+                # stable sort keeps ascending block order among equal keys: oldest first
+                candidates = candidates[torch.sort(key, stable=True).indices]
             for block in candidates[:excess].tolist():
                 self.evict(layer, block)
                 evictions += 1

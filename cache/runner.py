@@ -90,7 +90,7 @@ class Runner:
 
     def __init__(self, model, tokenizer=None, cache_config: CacheConfig | None = None,
                  controller: Controller | None = None, budget: float | int | list[int] | None = None,
-                 prefill_chunk: int = 64, decide_every: int = 8, fallback_rule: str = "lowest_mass"):
+                 prefill_chunk: int = 64, decide_every: int = 8, fallback_rule: str | None = None):
         if prefill_chunk < 1 or decide_every < 1:
             raise ValueError(f"prefill_chunk and decide_every must be >= 1, got {prefill_chunk}, {decide_every}")
         self.model = model
@@ -101,7 +101,9 @@ class Runner:
         self.budget = None if getattr(controller, "full_cache", False) else budget
         self.prefill_chunk = prefill_chunk
         self.decide_every = decide_every
-        self.fallback_rule = fallback_rule
+        # the budget fallback: the controller's own preference (a trained policy names the rule it trained
+        # with) unless one is given, else lowest accumulated mass
+        self.fallback_rule = fallback_rule or getattr(controller, "fallback_rule", None) or "lowest_mass"
         self.sentence_end_ids = sentence_end_token_ids(tokenizer) if tokenizer is not None else None
 
     @property

@@ -25,7 +25,14 @@ import torch
 
 from agents.ppo.network import OBSERVATION_KEYS, SlotNetwork, SlotOpHead, flatten_observation, masked_argmax
 from cache.controller import CacheView, Decision
-from kvgym.envs.observation import BLOCK_FEATURES, GLOBAL_FEATURES, NUM_OPS, decode_action, encode
+from kvgym.envs.observation import (
+    BLOCK_FEATURES,
+    FALLBACK_RULE,
+    GLOBAL_FEATURES,
+    NUM_OPS,
+    decode_action,
+    encode,
+)
 
 POLICY_ENTRY = "kvgym_policy.json"
 POLICY_FORMAT = "kvgym-ppo-policy"
@@ -68,6 +75,7 @@ def save_policy(model, path: str | Path, vecnormalize=None, extra: dict | None =
             "clip_obs": float(vecnormalize.clip_obs) if vecnormalize is not None else None,
             "epsilon": float(vecnormalize.epsilon) if vecnormalize is not None else 1e-8,
             "sentence_features": False,
+            "fallback_rule": FALLBACK_RULE,
             "policy_sha256": _sha256(weights),
             **(extra or {}),
         }
@@ -143,6 +151,8 @@ class PPOController:
                 raise PolicyFileError(f"policy file {self.path}: normalisation of {key!r} has {mean.shape[0]} "
                                       f"values, the observation {self._size(key)}")
         self._clip = meta.get("clip_obs")
+        # the budget fallback the policy trained with (the Runner uses it when this controller drives)
+        self.fallback_rule = meta.get("fallback_rule", "lowest_mass")
 
     @classmethod
     def load(cls, path: str | Path) -> PPOController:

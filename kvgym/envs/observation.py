@@ -14,6 +14,7 @@ import torch
 from gymnasium import spaces
 
 from cache.controller import CacheView, Decision, Op
+from cache.paged_cache import RECENT_PENALTY
 from cache.tiers import Tier
 
 BLOCK_FEATURES = (
@@ -22,6 +23,15 @@ BLOCK_FEATURES = (
 )
 GLOBAL_FEATURES = ("progress", "budget", "bytes_moved")
 NUM_OPS = len(Op)
+FALLBACK_RULE = "heavy_recent"  # the envs' budget fallback (PagedKVCache.enforce_budget); candidates follow it
+
+
+def eviction_key(acc_mass: np.ndarray, budget_blocks: np.ndarray) -> np.ndarray:
+    """``[L, n]`` order in which the fallback rule ``heavy_recent`` evicts: accumulated mass, with the newest
+    ``budget // 2`` logical blocks of each layer (H2O's recent window) after every older block."""
+    n = acc_mass.shape[1]
+    recent = np.arange(n)[None, :] >= n - (np.asarray(budget_blocks) // 2)[:, None]
+    return acc_mass.astype(np.float64) + recent * RECENT_PENALTY
 
 
 def observation_space(num_layers: int, num_candidates: int) -> spaces.Dict:
@@ -77,11 +87,12 @@ def smallest_stable(key: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np
 
 
 def choose_candidates(offloaded: np.ndarray, evictable: np.ndarray, query_similarity: np.ndarray,
-                      acc_mass: np.ndarray, num_candidates: int) -> np.ndarray:
+                      eviction_order: np.ndarray, num_candidates: int) -> np.ndarray:
     """Flat indices into ``[L, N]`` of the candidate slots: up to ``K // 2`` offloaded blocks (host/disk)
-    most similar to the current query (prefetch candidates), then evictable device blocks, lowest
-    accumulated attention first, ties to the lower index (eviction/merge candidates). Shared by the live
-    and the replay env, so both pick the same candidates from the same numbers."""
+    most similar to the current query (prefetch candidates), then evictable device blocks in the fallback's
+    order (``eviction_key``: the blocks the fallback would evict next come first), ties to the lower index
+    (eviction/merge candidates). Shared by the live and the replay env, so both pick the same candidates
+    from the same numbers."""
     picks = []
     count = min(int(offloaded.sum()), num_candidates // 2)
     if count:
@@ -89,7 +100,7 @@ def choose_candidates(offloaded: np.ndarray, evictable: np.ndarray, query_simila
         picks.append(torch.topk(similarity, count).indices.numpy())
     count = min(int(evictable.sum()), num_candidates - sum(len(p) for p in picks))
     if count:
-        mass = np.where(evictable, acc_mass, np.inf).reshape(1, -1)
+        mass = np.where(evictable, eviction_order, np.inf).reshape(1, -1)
         picks.append(smallest_stable(mass, np.array([count]))[1])
     return np.concatenate(picks).astype(np.int64) if picks else np.zeros(0, np.int64)
 
@@ -116,7 +127,8 @@ def encode(view: CacheView, num_candidates: int, progress: float, budget_fractio
     offloaded = (tier == Tier.HOST) | (tier == Tier.DISK)
     evictable = (tier == Tier.DEVICE) & ~pinned
     query_similarity = view.query_similarity.numpy()
-    flat = choose_candidates(offloaded, evictable, query_similarity, view.acc_mass.numpy(), num_candidates)
+    order = eviction_key(view.acc_mass.numpy(), view.budget_blocks.numpy())
+    flat = choose_candidates(offloaded, evictable, query_similarity, order, num_candidates)
     layers, blocks = np.divmod(flat, view.num_blocks)
     c = len(flat)
     blocks_features = np.zeros((num_candidates, len(BLOCK_FEATURES)), np.float32)

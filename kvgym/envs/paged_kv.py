@@ -13,7 +13,14 @@ from cache.controller import CacheView, apply_decisions
 from cache.paged_cache import CacheConfig, PagedKVCache
 from cache.runner import budget_blocks
 from cache.tiers import Tier
-from kvgym.envs.observation import Encoded, action_space, decode_action, encode, observation_space
+from kvgym.envs.observation import (
+    FALLBACK_RULE,
+    Encoded,
+    action_space,
+    decode_action,
+    encode,
+    observation_space,
+)
 
 
 @dataclass
@@ -49,8 +56,9 @@ class PagedKVCacheEnv(gym.Env):
     A live, paged KV cache decoding a Llama-family model on a long-horizon task. At each decision point the
     agent sees up to ``K`` candidate blocks (offloaded blocks most similar to the current query, and device
     blocks with the least accumulated attention) and chooses an operation for each. After its choice the
-    cache enforces every layer's device budget with a fallback rule (lowest accumulated attention), counted
-    in ``info["fallbacks"]``. Decision points: after every prefill chunk, every ``decide_every`` decode
+    cache enforces every layer's device budget with a fallback rule (H2O's split: the newest ``budget // 2``
+    blocks are a protected recent window, the others go by lowest accumulated attention), counted in
+    ``info["fallbacks"]``; the eviction candidates follow the same order. Decision points: after every prefill chunk, every ``decide_every`` decode
     steps, and whenever a layer goes over its budget.
 
     ## Action Space
@@ -100,7 +108,8 @@ class PagedKVCacheEnv(gym.Env):
 
     ## Version History
 
-    * v0: initial version (live mode).
+    * v0: initial version (live mode). ``gym.make_vec(..., vectorization_mode="vector_entry_point")`` gives the
+      batched vector env (``kvgym.envs.vector``: one model, one batched forward per step for N episodes).
     """
 
     metadata = {"render_modes": ["ansi", "rgb_array"], "render_fps": 4}
@@ -291,7 +300,7 @@ class PagedKVCacheEnv(gym.Env):
         """The first half of a step: the decisions, then the budget fallback; returns what ``finish_step`` needs."""
         moved_before = sum(self.cache.bytes_moved.values())
         ops = apply_decisions(self.cache, decisions)
-        fallbacks = self.cache.enforce_budget(self.budget)
+        fallbacks = self.cache.enforce_budget(self.budget, FALLBACK_RULE)
         within_budget = all(self.cache.tables.count_in(layer, Tier.DEVICE) <= self.budget[layer]
                             for layer in range(self.num_layers))
         moved = sum(self.cache.bytes_moved.values()) - moved_before

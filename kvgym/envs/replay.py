@@ -31,6 +31,7 @@ from kvgym.envs.observation import (
     action_space,
     candidate_features,
     choose_candidates,
+    eviction_key,
     observation_space,
     smallest_stable,
 )
@@ -171,7 +172,8 @@ class PagedKVCacheReplayEnv(gym.Env):
     simulated per-layer block table (device / host / dropped, host capacity ``host_blocks`` per layer, the sink
     block and the newest block pinned) evolves with the actions over a recorded full-cache run
     (``kvgym traces build``). After the agent's ops the same fallback rule as the cache's (evict the unpinned
-    device blocks with the least accumulated attention, to the host if it has room, else dropped) enforces every
+    device blocks in ``eviction_key`` order: H2O's recent window of ``budget // 2`` blocks last, the others by least
+    accumulated attention; to the host if it has room, else dropped) enforces every
     layer's budget and is counted in ``info["fallbacks"]``.
 
     ## Dynamics
@@ -420,7 +422,8 @@ class PagedKVCacheReplayEnv(gym.Env):
         pinned = self._pinned()
         evictable = on_device & ~pinned
         query_similarity = data.query_similarity[t, :, :n]
-        flat = choose_candidates(offloaded, evictable, query_similarity, self.acc_mass[:, :n], K)
+        flat = choose_candidates(offloaded, evictable, query_similarity, eviction_key(self.acc_mass[:, :n], self.budget),
+                                 K)
         layers, blocks = np.divmod(flat, n)
         c = len(flat)
         features = np.zeros((K, len(BLOCK_FEATURES)), np.float32)
@@ -568,14 +571,16 @@ class PagedKVCacheReplayEnv(gym.Env):
         return moved, illegal, ops
 
     def _enforce_budget(self) -> tuple[int, int]:
-        """The cache's fallback: per layer over budget, evict the unpinned device blocks with the least
-        accumulated mass (ties: oldest), to the host while it has room, else dropped."""
+        """The cache's fallback (``heavy_recent``): per layer over budget, evict the unpinned device blocks in
+        ``eviction_key`` order (least accumulated mass first, the recent window last; ties: oldest), to the host
+        while it has room, else dropped."""
         excess = np.maximum(self.device_count - self.budget, 0)
         if not excess.any():
             return 0, 0
         n = self.n
         evictable = (self.tier[:, :n] == DEVICE) & ~self._pinned()
-        layer_index, blocks, rank = smallest_stable(np.where(evictable, self.acc_mass[:, :n], np.inf), excess)
+        layer_index, blocks, rank = smallest_stable(
+            np.where(evictable, eviction_key(self.acc_mass[:, :n], self.budget), np.inf), excess)
         to_host = rank < (self.host_capacity - self.host_used)[layer_index]
         self.tier[layer_index, blocks] = np.where(to_host, HOST, DROPPED).astype(np.int8)
         self.loss_weight[layer_index, blocks] = 1.0
