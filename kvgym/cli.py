@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_env = bench_kinds.add_parser("env", help="env steps/s: live single and batched, replay; replay-live correlation")
     bench_env.add_argument("--model", default="smollm2-135m", help="the real model (or 'none': the tiny model only)")
     bench_env.add_argument("--num-envs", type=parse_int_list, default=[4, 8], help="batched env sizes")
-    bench_env.add_argument("--live-steps", type=int, default=24, help="live steps per measurement (x4 on the tiny model)")
+    bench_env.add_argument("--live-steps", type=int, default=40,
+                           help="live steps per env and measurement (x4 on the tiny model)")
     bench_env.add_argument("--replay-steps", type=int, default=3000)
     bench_env.add_argument("--traces", type=Path, default=None, help="replay traces (default: build one here)")
     bench_env.add_argument("--correlation-episodes", type=int, default=3, help="0 skips the correlation")

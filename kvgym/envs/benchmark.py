@@ -20,7 +20,7 @@ def _live_rates(model, tokenizer, label: str, num_envs: list[int], steps: int, e
     single.close()
     for n in num_envs:
         vec = PagedKVCacheVecEnv(n, model=model, tokenizer=tokenizer, **env_kwargs)
-        result = steps_per_second(vec, steps * n // 2)
+        result = steps_per_second(vec, steps * n)  # the same steps per episode as the single env: same phases
         rows.append({"model": label, "mode": "live_batched", "num_envs": n, "model_calls": vec.model_calls, **result})
         vec.close()
     base = rows[0]["steps_per_s"]
@@ -39,10 +39,14 @@ def _replay_rate(traces, steps: int, env_kwargs: dict) -> dict:
     return {"mode": "replay", "num_envs": 1, **steps_per_second(env, steps)}
 
 
-def bench_env(smollm2=None, num_envs=(4, 8), live_steps: int = 24, replay_steps: int = 3000, traces=None,
+def bench_env(smollm2=None, num_envs=(4, 8), live_steps: int = 40, replay_steps: int = 3000, traces=None,
               correlation_episodes: int = 3, task: str = "passkey", length: int = 1024, progress=print) -> dict:
     """``smollm2``: a ``LoadedModel`` (None: the tiny model only). ``traces``: a replay trace folder (None: one
-    trace of a SmolLM2 sample is built here). ``correlation_episodes`` 0 skips the correlation."""
+    trace of a SmolLM2 sample is built here). ``correlation_episodes`` 0 skips the correlation.
+
+    Live rates count env steps over random legal actions, ``live_steps`` per env (about two 1024-token episodes:
+    prefill chunks and decode steps), including each new sample's full-cache reference pass (one sequence at a
+    time, also in the batched env)."""
     import torch
 
     from cache.models import tiny_random_llama
