@@ -8,6 +8,7 @@ Subcommands:
   kvgym bench ops [options]        operation times, CacheView cost, budgeted vs full decode (JSON)
   kvgym eval [options]             tasks × lengths × controllers × budgets vs the full cache (JSONL, CSV, MD, PNG)
   kvgym traces build [options]     full-cache attention traces of task samples for the replay env (.pt + index.json)
+  kvgym traces compare [options]   mean replay returns of policies (baselines, scripted, ppo:PATH) per budget (JSON)
   kvgym train --config C [k=v ...] MaskablePPO on the replay env, live evaluation, TensorBoard, checkpoints (--resume)
   kvgym bench env [options]        env steps/s (live single/batched, replay) and replay-live correlation (JSON)
   kvgym bench policy [options]     time per decision of a trained policy (direct path vs SB3 predict) (JSON)
@@ -176,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
                               help="tokens per prefill forward (the replay env's prefill_chunk must be a multiple)")
     traces_build.add_argument("--max-new-tokens", type=int, default=None, help="default: each sample's own")
     traces_build.add_argument("--chat", action="store_true", help="wrap the prompts in the chat template")
+    traces_compare = trace_kinds.add_parser("compare", help="mean replay returns of policies on every trace x budget")
+    traces_compare.add_argument("--dir", type=Path, required=True, help="a trace folder from `kvgym traces build`")
+    traces_compare.add_argument("--policies", default="fallback,h2o,merge:mass",
+                                help="replay policy specs: fallback, lru, h2o, evict:mass, merge:mass, ppo:PATH, ...")
+    traces_compare.add_argument("--budgets", default="0.125,0.25,0.5")
+    traces_compare.add_argument("--json", type=Path, required=True)
     traces_build.add_argument("--out", type=Path, required=True,
                               help="folder for <task>_<length>_<index>.pt and index.json (reruns resume)")
     train = commands.add_parser("train", help="train a PPO cache policy (replay env, live evaluation)")
@@ -346,6 +353,16 @@ def cmd_bandwidth(args) -> int:
 
 
 def cmd_traces(args) -> int:
+    if args.traces == "compare":
+        from kvgym.envs.replay import replay_returns
+
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        report = replay_returns(str(args.dir), policies, [float(b) for b in args.budgets.split(",")])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        for spec, rows in report["policies"].items():
+            print(spec, {budget: round(row["return"], 2) for budget, row in rows.items()})
+        return 0
     from cache.models import load_model
     from eval.tasks.base import get_task
     from kvgym.envs.traces import build_traces

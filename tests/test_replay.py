@@ -295,3 +295,14 @@ def test_replay_live_correlation_runs(model):
           f"{result['replay_steps_per_s']:.0f} steps/s")
     assert result["pairs"] == 10
     assert -1.0 <= result["spearman"] <= 1.0
+
+
+def test_replay_returns_table_is_deterministic(traces):
+    from kvgym.envs.replay import replay_returns
+
+    kwargs = {k: v for k, v in ENV.items() if k != "budget_range"}
+    first = replay_returns(traces, ["fallback", "merge:mass"], budgets=(0.3, 0.6), env_kwargs=kwargs)
+    assert first == replay_returns(traces, ["fallback", "merge:mass"], budgets=(0.3, 0.6), env_kwargs=kwargs)
+    assert first["episodes_per_budget"] == 2 and set(first["policies"]) == {"fallback", "merge:mass"}
+    low, high = first["policies"]["fallback"]["0.3"], first["policies"]["fallback"]["0.6"]
+    assert low["return"] < 0 and low["kl"] >= high["kl"]  # a smaller budget loses at least as much

@@ -81,6 +81,7 @@ def save_policy(model, path: str | Path, vecnormalize=None, extra: dict | None =
         }
         with zipfile.ZipFile(tmp, "a", compression=zipfile.ZIP_DEFLATED) as archive:
             archive.writestr(POLICY_ENTRY, json.dumps(meta, indent=2, default=str))
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a policy file is meant to be shared
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

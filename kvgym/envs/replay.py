@@ -844,3 +844,22 @@ def replay_live_correlation(model, tokenizer, controllers: Sequence[str] = DEFAU
         "policies": list(controllers), "episodes": episodes, "pairs": len(rows),
         "seconds": time.perf_counter() - start, "trace_seconds": trace_seconds, "rows": rows,
     }
+
+
+def replay_returns(traces, policies: Sequence[str], budgets: Sequence[float] = (0.125, 0.25, 0.5),
+                   env_kwargs: dict | None = None) -> dict:
+    """Mean episode return, KL and lost mass of each policy (``make_policy`` specs) on the replay env, over every
+    trace × budget (the same episodes for every policy; deterministic policies give deterministic numbers)."""
+    env = PagedKVCacheReplayEnv(traces, **(env_kwargs or {}))
+    table = {}
+    for spec in policies:
+        per_budget = {}
+        for budget in budgets:
+            results = [run_episode(env, make_policy(spec), np.random.default_rng(index),
+                                   options={"trace": index, "budget_fraction": float(budget)})
+                       for index in range(len(env.sources))]
+            per_budget[str(budget)] = {key: float(np.mean([r[key] for r in results]))
+                                       for key in ("return", "kl", "lost_mass", "fallbacks")}
+        table[spec] = per_budget
+    return {"episodes_per_budget": len(env.sources), "budgets": list(budgets), "policies": table}
+
