@@ -54,12 +54,12 @@ class PagedKVCacheEnv(gym.Env):
     ## Description
 
     A live, paged KV cache decoding a Llama-family model on a long-horizon task. At each decision point the
-    agent sees up to ``K`` candidate blocks (offloaded blocks most similar to the current query, and device
-    blocks with the least accumulated attention) and chooses an operation for each. After its choice the
-    cache enforces every layer's device budget with a fallback rule (H2O's split: the newest ``budget // 2``
-    blocks are a protected recent window, the others go by lowest accumulated attention), counted in
-    ``info["fallbacks"]``; the eviction candidates follow the same order. Decision points: after every prefill chunk, every ``decide_every`` decode
-    steps, and whenever a layer goes over its budget.
+    agent sees up to ``K`` candidate blocks (offloaded blocks most similar to the current query, and the device
+    blocks the fallback would evict next) and chooses an operation for each. After its choice the cache
+    enforces every layer's device budget with a fallback rule (H2O's split: the newest ``budget // 2`` blocks
+    are a protected recent window, the others go by lowest accumulated attention), counted in
+    ``info["fallbacks"]``. Decision points: after every prefill chunk, every ``decide_every`` decode steps, and
+    whenever a layer goes over its budget.
 
     ## Action Space
 
