@@ -23,7 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agents.ppo.network import OBSERVATION_KEYS, SlotNetwork, SlotOpHead, flatten_observation, masked_argmax
+from agents.ppo.network import (
+    OBSERVATION_KEYS,
+    SlotNetwork,
+    SlotOpHead,
+    flatten_observation,
+    masked_argmax,
+    observation_sizes,
+)
 from cache.controller import CacheView, Decision
 from kvgym.envs.observation import (
     BLOCK_FEATURES,
@@ -147,10 +154,11 @@ class PPOController:
         self._normalisation = {key: (torch.tensor(value["mean"], dtype=torch.float32),
                                      torch.tensor(value["var"], dtype=torch.float32).add(float(meta["epsilon"])).sqrt())
                                for key, value in meta.get("normalisation", {}).items()}
+        sizes = observation_sizes(self.num_layers, self.num_candidates)
         for key, (mean, _) in self._normalisation.items():
-            if key not in OBSERVATION_KEYS or mean.shape[0] != self._size(key):
+            if key not in sizes or mean.shape[0] != sizes[key]:
                 raise PolicyFileError(f"policy file {self.path}: normalisation of {key!r} has {mean.shape[0]} "
-                                      f"values, the observation {self._size(key)}")
+                                      f"values, the observation {sizes.get(key)}")
         self._clip = meta.get("clip_obs")
         # the budget fallback the policy trained with (the Runner uses it when this controller drives)
         self.fallback_rule = meta.get("fallback_rule", "lowest_mass")
@@ -162,10 +170,6 @@ class PPOController:
     @property
     def meta(self) -> dict:
         return dict(self._meta)
-
-    def _size(self, key: str) -> int:
-        return {"layer_pressure": self.num_layers, "tier_occupancy": 3,
-                "blocks": self.num_candidates * len(BLOCK_FEATURES), "globals": len(GLOBAL_FEATURES)}[key]
 
     def check_fits(self, num_layers: int) -> None:
         if num_layers != self.num_layers:

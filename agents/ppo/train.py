@@ -25,6 +25,7 @@ import platform
 import re
 import subprocess
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -184,18 +185,25 @@ def make_replay_env(config: dict, folder: Path):
     return Monitor(TimeLimit(PagedKVCacheReplayEnv(str(folder), **env_config), steps))
 
 
+def live_env_kwargs(config: dict, tasks, lengths, budget_range, chat: bool) -> dict:
+    """``PagedKVCacheEnv`` arguments: the given task mix, with the config's ``env`` settings."""
+    env_config = config["env"]
+    return dict(tasks=tuple(tasks), lengths=tuple(lengths), budget_range=tuple(budget_range),
+                num_candidates=env_config["num_candidates"], prefill_chunk=env_config["prefill_chunk"],
+                decide_every=env_config["decide_every"], lambda_bytes=env_config["lambda_bytes"], chat=chat)
+
+
 def make_live_env(config: dict, model, tokenizer):
+    """The live evaluation env: the ``eval`` task mix (held-out seeds), ``Monitor`` + ``TimeLimit``."""
     from gymnasium.wrappers import TimeLimit
     from stable_baselines3.common.monitor import Monitor
 
     from kvgym.envs.paged_kv import PagedKVCacheEnv
 
-    env_config, evaluation = config["env"], config["eval"]
-    env = PagedKVCacheEnv(model, tokenizer, tasks=tuple(evaluation["tasks"]), lengths=tuple(evaluation["lengths"]),
-                          budget_range=tuple(evaluation["budget_range"]), num_candidates=env_config["num_candidates"],
-                          prefill_chunk=env_config["prefill_chunk"], decide_every=env_config["decide_every"],
-                          lambda_bytes=env_config["lambda_bytes"], chat=evaluation["chat"])
-    return Monitor(TimeLimit(env, env_config["max_episode_steps"]))
+    evaluation = config["eval"]
+    env = PagedKVCacheEnv(model, tokenizer, **live_env_kwargs(config, evaluation["tasks"], evaluation["lengths"],
+                                                             evaluation["budget_range"], evaluation["chat"]))
+    return Monitor(TimeLimit(env, config["env"]["max_episode_steps"]))
 
 
 def _vec_normalize(venv, config: dict, training: bool = True):
@@ -324,8 +332,6 @@ def latest_checkpoint(run_dir: Path):
         if match and stats.is_file():
             pairs.append((int(match.group(1)), path, stats))
     for steps, path, stats in sorted(pairs, reverse=True):
-        import zipfile
-
         try:  # a kill during a save leaves a truncated zip: fall back to the one before
             with zipfile.ZipFile(path) as archive:
                 if archive.testzip() is None and "policy.pth" in archive.namelist():
@@ -407,13 +413,11 @@ def train(config: dict, resume: bool = False, model=None, tokenizer=None, progre
 
         from kvgym.envs.vector import PagedKVCacheVecEnv
 
-        env_config = config["env"]
+        traces = config["traces"]
         batched = PagedKVCacheVecEnv(
-            n_envs, model=model, tokenizer=tokenizer, max_episode_steps=env_config["max_episode_steps"],
-            tasks=tuple(config["traces"]["tasks"]), lengths=tuple(config["traces"]["lengths"]),
-            budget_range=tuple(env_config["budget_range"]), num_candidates=env_config["num_candidates"],
-            prefill_chunk=env_config["prefill_chunk"], decide_every=env_config["decide_every"],
-            lambda_bytes=env_config["lambda_bytes"], chat=config["traces"]["chat"])
+            n_envs, model=model, tokenizer=tokenizer, max_episode_steps=config["env"]["max_episode_steps"],
+            **live_env_kwargs(config, traces["tasks"], traces["lengths"], config["env"]["budget_range"],
+                              traces["chat"]))
         live = _vec_normalize(VecMonitor(batched), config)
         live.obs_rms, live.ret_rms = venv.obs_rms, venv.ret_rms
         live.seed(seed + 10_000)
