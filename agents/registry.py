@@ -3,11 +3,17 @@
 A spec is ``name`` or ``name:key=value,key=value`` (values parsed as YAML: ``0.98``, ``true``, ``[1, 2]``); a
 controller with a ``positional_parameter`` takes a bare first value for it (``ppo:policies/ppo_smollm2.zip``).
 The same specs serve the CLI (``--controller h2o:recent_tokens=128``), the environment and the evaluation.
+Every parameter, from the YAML defaults or the spec, is checked against the type its dataclass field declares
+before the controller is built (``check_parameter``): a wrong one is a ``ValueError`` naming the controller,
+the parameter, the value and the accepted type.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from importlib import import_module
 from pathlib import Path
 
@@ -27,6 +33,12 @@ CONTROLLERS: dict[str, str] = {
     "sentencekv": "agents.baselines.sentencekv:SentenceKV",
     "quest": "agents.baselines.quest:Quest",
     "spindlekv": "agents.baselines.spindlekv:SpindleKV",
+    "knorm": "agents.baselines.knorm:Knorm",
+    "keydiff": "agents.baselines.keydiff:KeyDiff",
+    "expected_attention": "agents.baselines.expected_attention:ExpectedAttention",
+    "kvzip": "agents.baselines.kvzip:KVzip",
+    "pyramidkv": "agents.baselines.pyramidkv:PyramidKV",
+    "observed_attention": "agents.baselines.observed_attention:ObservedAttention",
     "oracle": "agents.baselines.oracle:Oracle",
     "ppo": "agents.ppo.controller:PPOController",
 }
@@ -61,7 +73,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             continue
         if not sep or not key.strip():
             raise ValueError(f"controller spec {spec!r}: expected key=value after ':', got {item!r}")
-        overrides[key.strip()] = yaml.safe_load(value)
+        try:
+            overrides[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError(f"controller spec {spec!r}: cannot read the value of {item!r} (a number, a word, "
+                             "true/false or null; ',' separates parameters)") from None
     return name.strip().lower(), overrides
 
 
@@ -75,6 +91,55 @@ def config_defaults(name: str) -> dict:
     return data
 
 
+def _type_name(annotation) -> str:
+    if annotation is type(None):
+        return "null"
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(annotation))
+    names = {float: "a finite number", int: "an integer", str: "a string", bool: "true or false"}
+    return names.get(annotation) or getattr(annotation, "__name__", str(annotation))
+
+
+def _convert(value, annotation):
+    """``value`` as ``annotation`` (an int is a valid float; YAML reads ``1e-3`` as a string, so a numeric string
+    is a valid float too; NaN and infinities are not); raises ``TypeError`` when it is not one."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            try:
+                return _convert(value, option)
+            except TypeError:
+                pass
+        raise TypeError
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise TypeError
+    if annotation is float:
+        try:
+            number = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
+        except ValueError:
+            number = None
+        if number is None or not math.isfinite(number):
+            raise TypeError
+        return number
+    if annotation is int and isinstance(value, bool):
+        raise TypeError
+    origin = typing.get_origin(annotation) or annotation
+    if annotation is typing.Any or (isinstance(origin, type) and isinstance(value, origin)):
+        return value
+    raise TypeError
+
+
+def check_parameter(controller: str, name: str, value, annotation, source: str = ""):
+    """``value`` checked against (and, int → float, converted to) the declared type ``annotation`` of parameter
+    ``name``; a ``ValueError`` naming the controller, the parameter, the value and the accepted type otherwise."""
+    try:
+        return _convert(value, annotation)
+    except TypeError:
+        raise ValueError(f"controller {controller!r}: parameter {name!r} must be {_type_name(annotation)}, "
+                         f"got {value!r}{source}") from None
+
+
 def make_controller(spec: str):
     """Build a controller from a spec; YAML defaults first, then the spec's overrides."""
     name, overrides = parse_spec(spec)
@@ -86,10 +151,22 @@ def make_controller(spec: str):
         if positional is None:
             raise ValueError(f"controller spec {spec!r}: expected key=value after ':', got {overrides[POSITIONAL]!r}")
         overrides[positional] = overrides.pop(POSITIONAL)
-    params = {**config_defaults(name), **overrides}
+    defaults = config_defaults(name)
+    params = {**defaults, **overrides}
     fields = set(names)
     unknown = sorted(set(params) - fields)
     if unknown:
         raise ValueError(f"controller {name!r} has no parameter(s) {unknown}; "
                          f"its parameters are {sorted(fields) or 'none'}")
+    required = [field.name for field in (dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ())
+                if field.init and field.default is dataclasses.MISSING
+                and field.default_factory is dataclasses.MISSING and field.name not in params]
+    if required:
+        positional = getattr(cls, "positional_parameter", None)
+        example = f"{name}:{positional.upper()}" if positional in required else f"{name}:{required[0]}=VALUE"
+        raise ValueError(f"controller {name!r} needs parameter(s) {required}, e.g. {example!r}")
+    hints = typing.get_type_hints(cls) if params else {}
+    for key, value in params.items():
+        source = f" (from {CONFIG_DIR / f'{name}.yaml'})" if key not in overrides else ""
+        params[key] = check_parameter(name, key, value, hints.get(key, typing.Any), source)
     return cls(**params)

@@ -40,7 +40,11 @@ def _grouped_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, allow
     if bias is not None:
         scores = scores + bias[:, None, :]
     if allowed is not None:  # [q, kv] bool, same for every head
-        scores = scores.masked_fill(~allowed.repeat(heads // kv_heads, 1), float("-inf"))
+        hidden = ~allowed
+        hidden_columns = hidden.any(dim=0)
+        # only the columns some query may not see need the fill (a causal window: its last q columns)
+        first = int(hidden_columns.int().argmax()) if bool(hidden_columns.any()) else hidden.shape[1]
+        scores[..., first:].masked_fill_(hidden[:, first:].repeat(heads // kv_heads, 1), float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 
@@ -71,7 +75,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout: 
         probs = _grouped_probs(query, key, scaling, None, bias)
         output = torch.matmul(probs if probs.dtype == value.dtype else probs.to(value.dtype), value[0])
         output = output.reshape(1, 1, heads, dim)  # [kv_heads, group, dim] -> [batch, q, heads, dim]
-        stats_probs, num_queries = probs, 1
+        stats_probs, num_queries, allowed = probs, 1, None
     else:
         mask = None if kv_len == q_len else causal_mask(q_len, kv_len, query.device)[None, None]
         if bias is not None:  # merged slots: an additive float mask carries their log weights
@@ -84,6 +88,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout: 
         allowed = causal_mask(q_len, kv_len, query.device, last_rows=window)
         stats_probs = _grouped_probs(query[:, :, -window:], key, scaling, allowed, bias)
         num_queries = window
-    paged_cache.record_query(layer, query[0, :, -1])
-    paged_cache.record_attention(layer, stats_probs.sum(dim=(0, 1)), num_queries, 1.0 / heads)
+    paged_cache.record_query(layer, query[0, :, -num_queries:])
+    # [kv_heads, group * q, kv] -> [heads, q, kv]: query head h = kv_head * group + g (transformers' GQA order)
+    per_query = stats_probs.reshape(heads, num_queries, kv_len)
+    observers = None if allowed is None else allowed.sum(dim=0).float()  # queries that see each key
+    paged_cache.record_attention(layer, per_query.sum(dim=1), num_queries, last_query=per_query[:, -1].clone(),
+                                 observers=observers, per_query=per_query)
     return output, None

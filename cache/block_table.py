@@ -138,6 +138,17 @@ class BlockTables:
         self.tier[layer, block] = int(tier)
         self.physical[layer, block] = physical
 
+    def drop(self, layers: list[int], blocks: list[int]) -> None:
+        """Record that each device block ``(layers[i], blocks[i])`` is gone (merged away): ``move`` to
+        ``DROPPED`` for many blocks at once. The caller checked they are distinct and on the device."""
+        for layer, block in zip(layers, blocks, strict=True):
+            self._device_count[layer] -= 1
+            if block == self.num_logical(layer) - 1:
+                self._newest_physical[layer] = -1
+        index = (torch.tensor(layers, dtype=torch.int64), torch.tensor(blocks, dtype=torch.int64))
+        self.tier[index] = int(Tier.DROPPED)
+        self.physical[index] = -1
+
     def reset(self) -> None:
         self.tier.fill_(int(Tier.UNUSED))
         self.physical.fill_(-1)

@@ -6,6 +6,7 @@ the runner's plumbing. ``EvictOldest`` is the built-in rule that proves eviction
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import cached_property
@@ -15,6 +16,8 @@ import torch
 
 from cache.paged_cache import PagedKVCache
 from cache.tiers import Tier
+
+PHASES = ("prefill", "compress", "question", "decode")
 
 
 class Op(IntEnum):
@@ -48,12 +51,26 @@ class CacheView:
       ``device_free`` ``[L]`` (free device-pool blocks per layer);
     - ``forward_tokens`` (tokens fed by the latest forward: 1 in a decode step, the chunk size in prefill),
       ``forward_queries`` (queries behind ``last_mass``), ``sentence_length`` (decode steps of the sentence
-      being generated, the count behind ``sentence_query``).
+      being generated, the count behind ``sentence_query``);
+    - ``phase``: where the runner stands (``PHASES``): ``prefill`` (after a chunk of streamed prompt),
+      ``compress`` (the one decision of a one-shot protocol, after the dense prefill), ``question`` (the
+      question has been read; the first answer token is computed after this decision), ``decode``;
+    - ``model`` and ``token_ids`` (``[seen]``: every token fed so far), set by the runner, for controllers
+      that run extra forward passes (KVzip's reconstruction); None outside a runner.
 
     Computed on first access: ``mean_key``, ``key_min``, ``key_max`` (``[L, N, kv_heads, head_dim]``),
     ``last_query`` and ``sentence_query`` (``[L, heads, head_dim]``: the latest query; the mean query of
     the sentence being generated), ``query_summary`` (``[L, kv_heads, head_dim]``), ``query_similarity``
     and ``neighbour_similarity`` (``[L, N]``), ``legal_ops`` (``[L, N, 4]``).
+
+    Per-head attention statistics, computed on first access (``BlockStats``; ``H`` query heads):
+    ``acc_mass_heads``, ``last_mass_heads``, ``last_query_heads`` (``[L, H, N]``: accumulated, latest
+    forward's window, latest forward's last query alone), ``query_max_heads`` (``[L, H, N]`` or None: the
+    largest single-query mass, when the cache tracks it); ``mass(kind, over_heads)`` aggregates any of them
+    (``"acc" | "last" | "last_query" | "query_max"``) by ``"mean"`` or ``"max"`` over query heads;
+    ``observed_mass`` (``[L, N]``: accumulated mass divided by the mean number of counted queries that could
+    see the block's tokens, kvpress's ObservedAttention); ``window_queries`` (per layer ``[H, q, head_dim]``:
+    the latest forward's counted queries, post-RoPE) and ``window_positions`` (``[q]``: their positions).
     """
 
     cache: PagedKVCache
@@ -75,9 +92,13 @@ class CacheView:
     forward_tokens: int
     forward_queries: int
     sentence_length: int
+    phase: str = "prefill"
+    model: object = None
+    token_ids: torch.Tensor | None = None
 
     @classmethod
-    def from_cache(cls, cache: PagedKVCache, budget_blocks: list[int]) -> CacheView:
+    def from_cache(cls, cache: PagedKVCache, budget_blocks: list[int], phase: str = "prefill", model=None,
+                   token_ids: torch.Tensor | None = None) -> CacheView:
         n = cache.num_logical_blocks()
         tables, stats, bs = cache.tables, cache.stats, cache.block_size
         pinned = torch.zeros(cache.num_layers, n, dtype=torch.bool)
@@ -107,6 +128,7 @@ class CacheView:
             forward_tokens=cache.last_forward_tokens,
             forward_queries=cache.last_forward_queries,
             sentence_length=cache.sentence_query_count,
+            phase=phase, model=model, token_ids=token_ids,
         )
 
     @property
@@ -154,6 +176,61 @@ class CacheView:
     @cached_property
     def key_max(self) -> torch.Tensor | None:
         return self._key_stat("max")
+
+    # ------------------------------------------------------------ attention statistics per head
+    def _heads(self, name: str) -> torch.Tensor | None:
+        tensor = getattr(self.cache.stats, name)
+        return None if tensor is None else tensor[:, :, : self.num_blocks].clone()
+
+    @cached_property
+    def acc_mass_heads(self) -> torch.Tensor | None:
+        return self._heads("acc_mass_heads")
+
+    @cached_property
+    def last_mass_heads(self) -> torch.Tensor | None:
+        return self._heads("last_mass_heads")
+
+    @cached_property
+    def last_query_heads(self) -> torch.Tensor | None:
+        return self._heads("last_query_heads")
+
+    @cached_property
+    def query_max_heads(self) -> torch.Tensor | None:
+        return self._heads("query_max_heads")
+
+    def mass(self, kind: str = "acc", over_heads: str = "mean") -> torch.Tensor:
+        """``[L, N]`` attention mass of ``kind`` (``acc`` accumulated, ``last`` the latest forward's window,
+        ``last_query`` its last query alone, ``query_max`` the largest single query) aggregated over query
+        heads by ``over_heads`` (``mean`` | ``max``); zeros before the first attention call."""
+        if over_heads not in ("mean", "max"):
+            raise ValueError(f"over_heads must be 'mean' or 'max', got {over_heads!r}")
+        kinds = ("acc", "last", "last_query", "query_max")
+        if kind not in kinds:
+            raise ValueError(f"mass kind must be one of {kinds}, got {kind!r}")
+        heads = getattr(self, f"{kind}_mass_heads" if kind in ("acc", "last") else f"{kind}_heads")
+        if heads is None:
+            if kind == "query_max" and self.acc_mass_heads is not None:
+                raise ValueError("query_max mass: the cache does not track it (CacheConfig.track_query_max)")
+            return torch.zeros(self.num_layers, self.num_blocks)
+        return heads.mean(dim=1) if over_heads == "mean" else heads.amax(dim=1)
+
+    @cached_property
+    def observed_mass(self) -> torch.Tensor:
+        observers = self.cache.stats.observers[:, : self.num_blocks] / self.num_tokens.clamp(min=1)
+        return self.acc_mass / observers.clamp(min=1.0)
+
+    @cached_property
+    def window_queries(self) -> list[torch.Tensor] | None:
+        if any(q is None for q in self.cache.window_queries):
+            return None
+        return [q.detach().float().cpu() for q in self.cache.window_queries]
+
+    @cached_property
+    def window_positions(self) -> torch.Tensor | None:
+        if self.window_queries is None:
+            return None
+        q = self.window_queries[0].shape[1]
+        return torch.arange(self.seen - q, self.seen)
 
     @cached_property
     def last_query(self) -> torch.Tensor | None:
@@ -219,6 +296,20 @@ class Controller(Protocol):
     def decide(self, view: CacheView) -> list[Decision]: ...
 
 
+def layer_budgets(controller, budget: list[int]) -> list[int]:
+    """The per-layer budget a controller runs under: ``budget``, or the controller's own split of the same
+    total (``controller.layer_budgets(budget)``, e.g. PyramidKV's pyramid); a split that exceeds the total
+    or leaves a layer below 1 block is refused."""
+    split = getattr(controller, "layer_budgets", None)
+    if split is None:
+        return list(budget)
+    blocks = [int(b) for b in split(list(budget))]
+    if len(blocks) != len(budget) or sum(blocks) > sum(budget) or min(blocks) < 1:
+        raise ValueError(f"{type(controller).__name__}.layer_budgets: {blocks} is not a split of {list(budget)} "
+                         f"(one entry per layer, each >= 1, total <= {sum(budget)})")
+    return blocks
+
+
 class EvictOldest:
     """Built-in rule: on each layer over budget, evict the oldest unpinned device blocks (FIFO)."""
 
@@ -233,17 +324,102 @@ class EvictOldest:
 
 
 def apply_decisions(cache: PagedKVCache, decisions: list[Decision]) -> dict[str, int]:
-    """Apply decisions in order; returns counts per operation name."""
+    """Apply decisions as if one by one, in order; returns counts per operation name.
+
+    Merges are batched (``PagedKVCache.merge_blocks``: one gather / matmul / scatter for all layers instead
+    of one call per block). Layers share no state, so only the order of each layer's own decisions matters:
+    each layer's list is cut into runs of merges and runs of other operations; then, repeatedly, every
+    layer's leading non-merge runs are applied (in order), and the merge runs now leading every layer are
+    applied together as one batch. Within a run, a layer's merges are simultaneous: each block folds into
+    the blocks of its layer that stay after the run, not into another block of the same run (one at a
+    time, a later merge could have folded an earlier one's tokens a second time). Otherwise the result is
+    that of the one-by-one order.
+
+    Refusals keep the one-by-one semantics: the list is first checked against a simulation of the cache's
+    rules; the decisions before the first refused one are applied (batched as above), then the rest one
+    by one, so the refused decision raises ``CacheOperationError`` with everything before it applied and
+    nothing after it.
+    """
     counts = {op.name.lower(): 0 for op in Op}
-    for decision in decisions:
-        op = Op(decision.op)
-        if op == Op.KEEP:
-            cache.check_block(decision.layer, decision.block, "keep")
-        elif op == Op.EVICT:
-            cache.evict(decision.layer, decision.block)
-        elif op == Op.PREFETCH:
-            cache.prefetch(decision.layer, decision.block)
-        elif op == Op.MERGE:
-            cache.merge(decision.layer, decision.block)
-        counts[op.name.lower()] += 1
+    refused = _first_refusal(cache, decisions)
+    valid = decisions if refused is None else decisions[:refused]
+    runs: dict[int, list[tuple[bool, list[Decision]]]] = {}
+    for decision in valid:
+        layer_runs = runs.setdefault(decision.layer, [])
+        is_merge = Op(decision.op) == Op.MERGE
+        if layer_runs and layer_runs[-1][0] == is_merge:
+            layer_runs[-1][1].append(decision)
+        else:
+            layer_runs.append((is_merge, [decision]))
+    queues = [deque(layer_runs) for layer_runs in runs.values()]
+    while any(queues):
+        for queue in queues:
+            while queue and not queue[0][0]:
+                for decision in queue.popleft()[1]:
+                    _apply_one(cache, decision, counts)
+        merges = [(d.layer, d.block) for queue in queues if queue for d in queue.popleft()[1]]
+        if merges:
+            cache.merge_blocks(merges)
+            counts["merge"] += len(merges)
+    for decision in decisions[len(valid):]:  # the refused decision raises here (with what is before it applied)
+        _apply_one(cache, decision, counts)
     return counts
+
+
+def _apply_one(cache: PagedKVCache, decision: Decision, counts: dict[str, int]) -> None:
+    op = Op(decision.op)
+    if op == Op.KEEP:
+        cache.check_block(decision.layer, decision.block, "keep")
+    elif op == Op.EVICT:
+        cache.evict(decision.layer, decision.block)
+    elif op == Op.PREFETCH:
+        cache.prefetch(decision.layer, decision.block)
+    elif op == Op.MERGE:
+        cache.merge(decision.layer, decision.block)
+    counts[op.name.lower()] += 1
+
+
+def _first_refusal(cache: PagedKVCache, decisions: list[Decision]) -> int | None:
+    """Index of the first decision the cache would refuse if the list were applied one by one (simulated on
+    the tiers and free-block counts; nothing changes), or None."""
+    state: dict[int, dict] = {}
+    for index, decision in enumerate(decisions):
+        layer, block, op = decision.layer, decision.block, Op(decision.op)
+        if not 0 <= layer < cache.num_layers or not 0 <= block < cache.num_logical_blocks(layer):
+            return index
+        if op == Op.KEEP:
+            continue
+        if layer not in state:
+            pools = cache.pools[layer]
+            state[layer] = {
+                "tier": {}, "device": cache.tables.count_in(layer, Tier.DEVICE),
+                "free": {tier: pools[tier].allocator.num_free if tier in pools else 0
+                         for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK)},
+            }
+        layer_state = state[layer]
+        tier = layer_state["tier"].get(block)
+        if tier is None:
+            tier = Tier(int(cache.tables.tier[layer, block]))
+        free = layer_state["free"]
+        if op in (Op.EVICT, Op.MERGE):
+            if tier != Tier.DEVICE or cache.is_pinned(layer, block):
+                return index
+            if op == Op.MERGE:
+                if layer_state["device"] <= 1:
+                    return index
+                destination = Tier.DROPPED
+            else:
+                destination = next((t for t in (Tier.HOST, Tier.DISK) if free[t] > 0), Tier.DROPPED)
+                if destination != Tier.DROPPED:
+                    free[destination] -= 1
+            free[Tier.DEVICE] += 1
+            layer_state["device"] -= 1
+            layer_state["tier"][block] = destination
+        elif op == Op.PREFETCH:
+            if tier not in (Tier.HOST, Tier.DISK) or free[Tier.DEVICE] == 0:
+                return index
+            free[Tier.DEVICE] -= 1
+            free[tier] += 1
+            layer_state["device"] += 1
+            layer_state["tier"][block] = Tier.DEVICE
+    return None

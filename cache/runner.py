@@ -1,9 +1,33 @@
-"""The runner: chunked prefill, greedy or sampled decode, and the controller hook, over a ``PagedKVCache``.
+"""The runner: the evaluation protocols over a ``PagedKVCache`` — prefill, greedy or sampled decode, and the
+controller hook.
 
-Decision points: after every prefill chunk, every ``decide_every`` decode steps, and whenever a layer is
-over its device budget. At each one the controller decides, its decisions are applied, then the cache
-enforces every layer's budget with its fallback rule; the evictions that rule had to make are counted
-as fallbacks.
+A prompt (``Prompt``) knows its parts: the context (``ids[:context_end]``), then the question and the answer
+prefix (``ids[context_end:]``), and, for multi-turn samples, later turns fed after each answer. The budget is
+a fraction of the **context** (the field's convention: kvpress, SnapKV, RULER leaderboards), a block count
+per layer, or a per-layer list. The last prompt token is always fed after the last prompt decision, so the
+first answer token is computed on the cache the controller decided. Protocols (``PROTOCOLS``):
+
+- ``streaming`` (bounded peak memory): the context and then the question are prefilled in chunks of
+  ``prefill_chunk`` tokens (a chunk never straddles the two); the controller decides after every chunk
+  (phase ``prefill``), and once more after the question has been read (phase ``question``: the last chunk's
+  statistics are the question's queries; retrieval and prefetch belong here); then the last prompt token
+  gives the first answer token; decisions continue every ``decide_every`` decode steps and whenever a
+  layer is over budget. The budget holds throughout.
+- ``oneshot`` (kvpress's pipeline): dense prefill of the context (no decisions, no budget; chunks aligned to
+  its end so the last one holds the last ``stats_window`` queries: SnapKV's window), **one** decision
+  (phase ``compress``) with the budget, then the question and answer prefix through the compressed cache,
+  then decoding with the cache growing (``decode_budget="fixed"`` keeps the budget and decides as in
+  streaming). A prompt without a question part is compressed up to its last token.
+- ``oneshot-question``: the same with the whole prompt but its last token in the dense prefill (query-aware
+  methods see the question).
+- ``multiturn``: streaming over the context and the first question, then each answer is decoded (greedy,
+  until EOS or ``max_new_tokens``) before the next turn's tokens arrive (the previous answer's last token
+  first); a ``question`` decision point after each turn's question; the budget holds across turns.
+
+At each decision point the controller decides, its decisions are applied, then the cache enforces every
+layer's budget with its fallback rule; the evictions that rule had to make are counted as fallbacks.
+One-shot runs can share their dense prefill across controllers and budgets (``Runner.dense_prefill``,
+then ``run(..., shared=...)`` on a copy of its cache).
 """
 
 from __future__ import annotations
@@ -14,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache.controller import CacheView, Controller, EvictOldest, apply_decisions
+from cache.controller import CacheView, Controller, EvictOldest, apply_decisions, layer_budgets
 from cache.paged_cache import CacheConfig, PagedKVCache
 from cache.sentences import is_sentence_end, sentence_end_token_ids
 from cache.tiers import Tier
@@ -24,9 +48,9 @@ def budget_blocks(budget: float | int | list[int] | None, total_tokens: int, blo
                   pinned_blocks: int) -> list[int] | None:
     """Per-layer device budget in blocks.
 
-    ``budget`` is ``None`` (no budget: full cache), a fraction in ``(0, 1]`` of the run's total tokens
-    (prompt + new tokens), an absolute number of blocks per layer (int ``>= 1``), or a list with one
-    block count per layer. A budget below the pinned blocks (sink + newest) is refused.
+    ``budget`` is ``None`` (no budget: full cache), a fraction in ``(0, 1]`` of ``total_tokens`` (the
+    runner passes the context's tokens), an absolute number of blocks per layer (int ``>= 1``), or a list
+    with one block count per layer. A budget below the pinned blocks (sink + newest) is refused.
     """
     if budget is None:
         return None
@@ -52,6 +76,73 @@ def budget_blocks(budget: float | int | list[int] | None, total_tokens: int, blo
     return blocks
 
 
+def parse_budget(text, flag: str = "--budget"):
+    """The one budget parser: ``0.25`` → a fraction of the context; ``64`` → blocks per layer; ``none`` /
+    ``full`` / None → no budget. Errors name ``flag``."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("none", "full")):
+        return None
+    if isinstance(text, bool):
+        raise ValueError(f"{flag} {text!r}: use a fraction like 0.25, a block count like 64, or 'full'")
+    if isinstance(text, (int, float)):
+        value = text
+    else:
+        try:
+            value = int(text) if str(text).strip().isdigit() else float(text)
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: use a fraction like 0.25, a block count like 64, or 'full'") from None
+    if isinstance(value, float) and (math.isnan(value) or not 0.0 < value <= 1.0):
+        raise ValueError(f"{flag} {text!r}: a fraction must be in (0, 1] (a share of the context's tokens)")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"{flag} {text!r}: a block count must be >= 1")
+    return value
+
+
+PROTOCOLS = ("streaming", "oneshot", "oneshot-question", "multiturn")
+DECODE_BUDGETS = ("grow", "fixed")
+
+
+@dataclass
+class Prompt:
+    """Token ids of a sample's prompt and where its parts end.
+
+    ``ids`` is the first turn's prompt (context, question, answer prefix); ``ids[:context_end]`` is the
+    context (``context_end=None``: the whole prompt); ``turns`` are the later turns' ids (question + answer
+    prefix each), fed after the previous answer (multi-turn samples only).
+    """
+
+    ids: list[int]
+    context_end: int | None = None
+    turns: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.ids = [int(t) for t in (self.ids.flatten().tolist() if isinstance(self.ids, torch.Tensor) else self.ids)]
+        if not self.ids:
+            raise ValueError("prompt: the prompt is empty")
+        if self.context_end is None:
+            self.context_end = len(self.ids)
+        if not 1 <= self.context_end <= len(self.ids):
+            raise ValueError(f"prompt: context_end {self.context_end} is outside 1..{len(self.ids)}")
+        for number, turn in enumerate(self.turns, start=2):
+            if not turn:
+                raise ValueError(f"prompt: turn {number} has no tokens")
+
+    @property
+    def context_tokens(self) -> int:
+        return self.context_end
+
+
+@dataclass
+class SharedPrefill:
+    """The dense prefill of a one-shot protocol, computed once and copied into every run that shares it."""
+
+    cache: PagedKVCache
+    prompt: Prompt
+    protocol: str
+    dense_end: int
+    max_new_tokens: int
+    seconds: float
+
+
 @dataclass
 class RunResult:
     prompt_tokens: int
@@ -69,11 +160,19 @@ class RunResult:
     budget_blocks: list[int] | None
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)
     cache: PagedKVCache | None = field(default=None, repr=False)
+    protocol: str = "streaming"
+    context_tokens: int = 0
+    # multi-turn runs: every turn's generated tokens and text, and the logits of each turn's first answer token
+    turn_tokens: list[list[int]] = field(default_factory=list)
+    turn_texts: list[str | None] = field(default_factory=list)
+    turn_logits: list[torch.Tensor] = field(default_factory=list, repr=False)
+    peak_device_blocks: int = 0  # most device blocks held at once, summed over layers
 
     def summary(self) -> dict:
         tiers = {name: sum(counts) for name, counts in self.blocks_per_tier.items()}
         return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": len(self.new_tokens),
+            "protocol": self.protocol, "prompt_tokens": self.prompt_tokens, "context_tokens": self.context_tokens,
+            "new_tokens": len(self.new_tokens),
             "prefill_s": round(self.prefill_s, 3), "ttft_s": round(self.ttft_s, 3),
             "decode_ms_per_token": round(self.decode_ms_per_token, 2),
             "bytes_read_per_token": int(self.bytes_read_per_token), "bytes_moved": self.bytes_moved,
@@ -82,17 +181,35 @@ class RunResult:
         }
 
 
+@dataclass
+class _State:
+    """One run's moving parts."""
+
+    cache: PagedKVCache
+    budget: list[int] | None  # enforced at decision points (None: no decisions)
+    token_ids: list[int]
+    fallbacks: int = 0
+    decisions: int = 0
+    ops: dict = field(default_factory=dict)
+    peak: int = 0
+
+
 class Runner:
-    """Runs one sequence through a model with a ``PagedKVCache`` and a controller.
+    """Runs one sequence through a model with a ``PagedKVCache`` and a controller, in one of ``PROTOCOLS``.
 
     ``controller`` defaults to ``EvictOldest`` when a budget is set; with no budget nothing is evicted.
     """
 
     def __init__(self, model, tokenizer=None, cache_config: CacheConfig | None = None,
                  controller: Controller | None = None, budget: float | int | list[int] | None = None,
-                 prefill_chunk: int = 64, decide_every: int = 8, fallback_rule: str | None = None):
+                 prefill_chunk: int = 64, decide_every: int = 8, fallback_rule: str | None = None,
+                 protocol: str = "streaming", decode_budget: str = "grow"):
         if prefill_chunk < 1 or decide_every < 1:
             raise ValueError(f"prefill_chunk and decide_every must be >= 1, got {prefill_chunk}, {decide_every}")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"--protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+        if decode_budget not in DECODE_BUDGETS:
+            raise ValueError(f"--decode-budget {decode_budget!r}: choose one of {', '.join(DECODE_BUDGETS)}")
         self.model = model
         self.tokenizer = tokenizer
         self.cache_config = cache_config or CacheConfig()
@@ -101,6 +218,8 @@ class Runner:
         self.budget = None if getattr(controller, "full_cache", False) else budget
         self.prefill_chunk = prefill_chunk
         self.decide_every = decide_every
+        self.protocol = protocol
+        self.decode_budget = decode_budget
         # the budget fallback: the controller's own preference (a trained policy names the rule it trained
         # with) unless one is given, else lowest accumulated mass
         self.fallback_rule = fallback_rule or getattr(controller, "fallback_rule", None) or "lowest_mass"
@@ -110,79 +229,175 @@ class Runner:
     def max_positions(self) -> int:
         return int(self.model.config.max_position_embeddings)
 
+    # ------------------------------------------------------------------ pieces
+    def _total_tokens(self, prompt: Prompt, max_new_tokens: int) -> int:
+        return len(prompt.ids) + sum(len(turn) + 1 for turn in prompt.turns) + max_new_tokens * (1 + len(prompt.turns))
+
+    def _new_cache(self, total: int, **changes) -> PagedKVCache:
+        config = self.cache_config
+        if config.max_tokens is None or config.max_tokens < total:
+            changes["max_tokens"] = total
+        if changes:
+            config = CacheConfig(**{**config.__dict__, **changes})
+        return PagedKVCache(self.model.config, config)
+
+    def _check_length(self, prompt: Prompt, max_new_tokens: int) -> int:
+        total = self._total_tokens(prompt, max_new_tokens)
+        if total > self.max_positions:
+            raise ValueError(
+                f"prompt of {len(prompt.ids)} tokens + max_new_tokens {max_new_tokens} = {total} exceeds the model's "
+                f"{self.max_positions} positions; shorten the prompt or lower max_new_tokens"
+            )
+        return total
+
+    def _dense_end(self, prompt: Prompt, protocol: str) -> int:
+        if protocol == "oneshot":
+            return min(prompt.context_end, len(prompt.ids) - 1)
+        if protocol == "oneshot-question":
+            return len(prompt.ids) - 1
+        return 0
+
+    def _feed(self, cache: PagedKVCache, state: _State | None, ids: list[int]):
+        """One forward of ``ids`` (observed for sentence ends); returns the last position's logits."""
+        device = next(self.model.parameters()).device
+        chunk = torch.tensor([ids], device=device)
+        self._observe(cache, cache.seen, chunk)
+        out = self.model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
+        if state is not None:
+            state.token_ids.extend(ids)
+            state.peak = max(state.peak, sum(cache.tables.count_in(layer, Tier.DEVICE) for layer in range(cache.num_layers)))
+        return out.logits[0, -1].float()
+
+    def _chunks(self, start: int, end: int, from_end: bool = False) -> list[tuple[int, int]]:
+        """``[start, end)`` in ``prefill_chunk`` pieces, aligned to ``start`` (or to ``end``)."""
+        size, length = self.prefill_chunk, end - start
+        if length <= 0:
+            return []
+        cuts = list(range(start, end, size)) if not from_end else sorted({start, *range(end - size, start, -size)})
+        return [(a, min(b, end)) for a, b in zip(cuts, cuts[1:] + [end], strict=True)]
+
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor | list[int], max_new_tokens: int = 64, do_sample: bool = False,
+    def dense_prefill(self, prompt, max_new_tokens: int = 64, protocol: str | None = None) -> SharedPrefill:
+        """The dense part of a one-shot protocol (no decisions, no budget), to share across runs."""
+        prompt = prompt if isinstance(prompt, Prompt) else Prompt(prompt)
+        protocol = protocol or self.protocol
+        if protocol not in ("oneshot", "oneshot-question"):
+            raise ValueError(f"dense_prefill: protocol {protocol!r} has no dense prefill (only oneshot, oneshot-question)")
+        total = self._check_length(prompt, max_new_tokens)
+        start = time.perf_counter()
+        cache = self._new_cache(total, host_blocks=0, disk_blocks=0)
+        dense_end = self._dense_end(prompt, protocol)
+        for a, b in self._chunks(0, dense_end, from_end=True):
+            self._feed(cache, None, prompt.ids[a:b])
+        return SharedPrefill(cache, prompt, protocol, dense_end, max_new_tokens, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ the run
+    @torch.no_grad()
+    def run(self, input_ids, max_new_tokens: int = 64, do_sample: bool = False,
             temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-            keep_logits: bool = False, forced_tokens: list[int] | None = None) -> RunResult:
-        """Prefill ``input_ids`` in chunks, then decode up to ``max_new_tokens``.
+            keep_logits: bool = False, forced_tokens: list[int] | None = None,
+            shared: SharedPrefill | None = None) -> RunResult:
+        """Run ``input_ids`` (a ``Prompt``, or token ids: the whole prompt is then the context) under the
+        runner's protocol, then decode up to ``max_new_tokens`` per turn.
 
         ``forced_tokens`` teacher-forces the continuation: those tokens are fed (and returned as
         ``new_tokens``) instead of the model's picks, so ``keep_logits`` gives the model's distribution at
-        every position of a fixed text; ``max_new_tokens`` is then its length.
+        every position of a fixed text; ``max_new_tokens`` is then its length. ``shared`` continues from a
+        copy of a ``dense_prefill`` of the same prompt (one-shot protocols).
         """
-        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
-        prompt_len = ids.shape[1]
+        prompt = input_ids if isinstance(input_ids, Prompt) else Prompt(input_ids)
+        protocol = self.protocol
         if forced_tokens is not None:
             if len(forced_tokens) == 0:
                 raise ValueError("forced_tokens: give at least one token to teacher-force")
+            if prompt.turns:
+                raise ValueError("forced_tokens: teacher forcing takes a single-turn prompt")
             max_new_tokens, stop_at_eos = len(forced_tokens), False
-        total = prompt_len + max_new_tokens
-        if prompt_len == 0:
-            raise ValueError("input_ids: the prompt is empty")
-        if total > self.max_positions:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = {total} exceeds the model's "
-                f"{self.max_positions} positions; shorten the prompt or lower max_new_tokens"
-            )
-        config = self.cache_config
-        if config.max_tokens is None or config.max_tokens < total:
-            config = CacheConfig(**{**config.__dict__, "max_tokens": total})
-        cache = PagedKVCache(self.model.config, config)
-        budget = budget_blocks(self.budget, total, cache.block_size, cache.num_layers, config.sink_blocks + 1)
-        device = next(self.model.parameters()).device
-        ids = ids.to(device)
+        if prompt.turns and protocol != "multiturn":
+            raise ValueError(f"--protocol {protocol}: the sample has {len(prompt.turns) + 1} turns; use --protocol multiturn")
+        total = self._check_length(prompt, max_new_tokens)
+        budget = budget_blocks(self.budget, prompt.context_tokens, self.cache_config.block_size,
+                               self.model.config.num_hidden_layers, self.cache_config.sink_blocks + 1)
+        if budget is not None and self.controller is not None:
+            budget = layer_budgets(self.controller, budget)
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        state = {"fallbacks": 0, "decisions": 0, "ops": {}}
+        one_shot = protocol in ("oneshot", "oneshot-question")
+        dense_end = self._dense_end(prompt, protocol)
 
+        track_query_max = bool(getattr(self.controller, "track_query_max", False))
         start = time.perf_counter()
-        for chunk_start in range(0, prompt_len, self.prefill_chunk):
-            chunk = ids[:, chunk_start : chunk_start + self.prefill_chunk]
-            self._observe(cache, chunk_start, chunk)
-            out = self.model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
-            self._decision_point(cache, budget, state)
+        if shared is not None:
+            if shared.prompt.ids != prompt.ids or shared.protocol != protocol or shared.max_new_tokens < max_new_tokens:
+                raise ValueError("shared: the dense prefill was made for another prompt, protocol or length")
+            changes = {name: getattr(self.cache_config, name) for name in ("host_blocks", "disk_blocks", "disk_dir")}
+            cache = shared.cache.clone(**changes, track_query_max=track_query_max)
+            start -= shared.seconds  # the shared prefill counts in this run's time to first token
+        else:
+            cache = self._new_cache(total, **({"track_query_max": True} if track_query_max else {}))
+            for a, b in self._chunks(0, dense_end, from_end=True):
+                self._feed(cache, None, prompt.ids[a:b])
+        state = _State(cache, budget, list(prompt.ids[:dense_end]))
+        if one_shot:
+            self._decision_point(state, "compress")
+            if self.decode_budget == "grow":
+                state.budget = None  # kvpress: the cache grows after the one compression
+        # the rest of the prompt but its last token: streamed (context, then question), decisions after chunks
+        last = len(prompt.ids) - 1
+        segments = [(dense_end, min(prompt.context_end, last)), (max(prompt.context_end, dense_end), last)]
+        for a, b in [piece for seg in segments for piece in self._chunks(*seg)]:
+            self._feed(cache, state, prompt.ids[a:b])
+            if not one_shot or self._over_budget(cache, state.budget):
+                # the chunk that ends the question is the question's decision point
+                self._decision_point(state, "question" if b == last and not one_shot else "prefill")
         prefill_s = time.perf_counter() - start
-        logits = out.logits[0, -1].float()
-        token = forced_tokens[0] if forced_tokens else self._pick(logits, do_sample, temperature, top_p, generator)
-        ttft_s = time.perf_counter() - start
 
         eos = self._eos_ids() if stop_at_eos else set()
-        new_tokens, kept_logits, step_times, step_bytes = [token], [logits] if keep_logits else [], [], []
-        for step in range(1, max_new_tokens):
-            if token in eos:
-                break
-            step_start = time.perf_counter()
-            fed = torch.tensor([[token]], device=device)
-            self._observe(cache, prompt_len + step - 1, fed)
-            out = self.model(input_ids=fed, cache=cache, use_cache=True)
-            step_bytes.append(sum(cache.last_bytes_read))
-            logits = out.logits[0, -1].float()
-            token = (forced_tokens[step] if forced_tokens
-                     else self._pick(logits, do_sample, temperature, top_p, generator))
-            if step % self.decide_every == 0 or self._over_budget(cache, budget):
-                self._decision_point(cache, budget, state)
-            step_times.append(time.perf_counter() - step_start)
-            new_tokens.append(token)
-            if keep_logits:
+        turns = [prompt.ids[last:]] + [list(turn) for turn in prompt.turns]
+        turn_tokens, turn_logits, kept_logits, step_times, step_bytes = [], [], [], [], []
+        ttft_s = 0.0
+        for number, turn in enumerate(turns):
+            if number > 0:  # the previous answer's last token and this turn's question, streamed
+                fed = [turn_tokens[-1][-1]] + turn[:-1]
+                for a, b in self._chunks(0, len(fed)):
+                    self._feed(cache, state, fed[a:b])
+                    self._decision_point(state, "question" if b == len(fed) else "prefill")
+            logits = self._feed(cache, state, turn[-1:])
+            token = forced_tokens[0] if forced_tokens else self._pick(logits, do_sample, temperature, top_p, generator)
+            if number == 0:
+                ttft_s = time.perf_counter() - start
+            # the last prompt token's forward is decode step 0 (a decision every decide_every steps counts from it)
+            self._decision_point(state, "decode")
+            new_tokens = [token]
+            turn_logits.append(logits)
+            if keep_logits and number == 0:
                 kept_logits.append(logits)
+            for step in range(1, max_new_tokens):
+                if token in eos:
+                    break
+                step_start = time.perf_counter()
+                logits = self._feed(cache, state, [token])
+                step_bytes.append(sum(cache.last_bytes_read))
+                token = (forced_tokens[step] if forced_tokens
+                         else self._pick(logits, do_sample, temperature, top_p, generator))
+                if step % self.decide_every == 0 or self._over_budget(cache, state.budget):
+                    self._decision_point(state, "decode")
+                step_times.append(time.perf_counter() - step_start)
+                new_tokens.append(token)
+                if keep_logits and number == 0:
+                    kept_logits.append(logits)
+            turn_tokens.append(new_tokens)
 
-        text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        decode = (lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True)) if self.tokenizer is not None \
+            else (lambda tokens: None)
         return RunResult(
-            prompt_tokens=prompt_len, new_tokens=new_tokens, text=text, prefill_s=prefill_s, ttft_s=ttft_s,
-            decode_ms_per_token=1000 * sum(step_times) / max(len(step_times), 1),
+            prompt_tokens=len(prompt.ids), new_tokens=turn_tokens[0], text=decode(turn_tokens[0]), prefill_s=prefill_s,
+            ttft_s=ttft_s, decode_ms_per_token=1000 * sum(step_times) / max(len(step_times), 1),
             bytes_read_per_token=sum(step_bytes) / max(len(step_bytes), 1),
             bytes_moved=cache.bytes_summary()["bytes_moved"], blocks_per_tier=cache.blocks_per_tier(),
-            operations=state["ops"], fallbacks=state["fallbacks"], decisions=state["decisions"],
-            budget_blocks=budget, logits=kept_logits, cache=cache,
+            operations=state.ops, fallbacks=state.fallbacks, decisions=state.decisions,
+            budget_blocks=budget, logits=kept_logits, cache=cache, protocol=protocol,
+            context_tokens=prompt.context_tokens, turn_tokens=turn_tokens,
+            turn_texts=[decode(tokens) for tokens in turn_tokens], turn_logits=turn_logits, peak_device_blocks=state.peak,
         )
 
     def _observe(self, cache: PagedKVCache, start: int, token_ids: torch.Tensor) -> None:
@@ -194,14 +409,16 @@ class Runner:
             return False
         return any(cache.tables.count_in(layer, Tier.DEVICE) > budget[layer] for layer in range(cache.num_layers))
 
-    def _decision_point(self, cache: PagedKVCache, budget: list[int] | None, state: dict) -> None:
-        if self.controller is None or budget is None:
+    def _decision_point(self, state: _State, phase: str) -> None:
+        if self.controller is None or state.budget is None:
             return
-        state["decisions"] += 1
-        view = CacheView.from_cache(cache, budget)
+        cache = state.cache
+        state.decisions += 1
+        view = CacheView.from_cache(cache, state.budget, phase=phase, model=self.model,
+                                    token_ids=torch.tensor(state.token_ids, dtype=torch.long))
         for name, count in apply_decisions(cache, self.controller.decide(view)).items():
-            state["ops"][name] = state["ops"].get(name, 0) + count
-        state["fallbacks"] += cache.enforce_budget(budget, self.fallback_rule)
+            state.ops[name] = state.ops.get(name, 0) + count
+        state.fallbacks += cache.enforce_budget(state.budget, self.fallback_rule)
 
     def _eos_ids(self) -> set[int]:
         ids = set()

@@ -33,11 +33,14 @@ class TierPool:
       stands for (0 for a plain token; raised by merges and added to attention scores).
 
     ``device``/``host`` pools are tensors (host is pinned when CUDA is present); a ``disk`` pool lives in
-    memory-mapped files ``<disk_dir>/layer<i>.{keys,values,weights}`` (``close`` deletes them).
+    memory-mapped files ``<disk_dir>/layer<i>.{keys,values,weights}`` (``close`` deletes them). ``storage``
+    gives the three tensors instead of allocating them (the cache stacks every layer's device pool in one
+    tensor so that batched operations index all layers at once; each layer's pool is a view of its row).
     """
 
     def __init__(self, tier: Tier, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, disk_dir: Path | None = None, layer: int = 0):
+                 dtype: torch.dtype, device: torch.device | str, disk_dir: Path | None = None, layer: int = 0,
+                 storage: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         self.tier = tier
         self.block_size = block_size
         self.dtype = dtype
@@ -52,6 +55,12 @@ class TierPool:
             disk_dir.mkdir(parents=True, exist_ok=True)
             self.files = [disk_dir / f"layer{layer}.{part}" for part in ("keys", "values", "weights")]
             self._map_files(create=True)
+        elif storage is not None:  # views into storage shared with other layers (the cache's stacked pools)
+            self.keys, self.values, self.log_weights = storage
+            if (tuple(self.keys.shape) != self.kv_shape or tuple(self.values.shape) != self.kv_shape
+                    or tuple(self.log_weights.shape) != self.weight_shape):
+                raise ValueError(f"TierPool storage has shapes {tuple(self.keys.shape)} / {tuple(self.log_weights.shape)}, "
+                                 f"expected {self.kv_shape} / {self.weight_shape}")
         else:
             pin = tier == Tier.HOST and torch.cuda.is_available()
             self.keys = torch.empty(self.kv_shape, dtype=dtype, device=device, pin_memory=pin)

@@ -13,11 +13,16 @@ Design:
   (``eval.tasks.base.TASKS``; ``eval.tasks.<name>`` is imported on first use) with the seed
   ``sample_seed(seed, task, length, index)``: the first 31 bits of sha256 of ``"seed:task:length:index"``.
   The same ``seed`` gives the same samples on every machine and Python; another ``seed`` gives fresh ones.
-- **Prompt.** ``ids = chat(sample.input) + tokens(sample.answer_prefix)``: the tokenizer's chat template
-  around the input as the user turn, with the generation prompt, then the answer prefix (without special
-  tokens) opening the assistant's reply. With ``chat=False`` (or a tokenizer without a chat template) the
-  ids are ``tokenizer(sample.input + sample.answer_prefix)``. Natural-text samples (metric ``kl``) are
+- **Prompt.** ``eval.tasks.prompt.build_prompt``: the chat template around the input as the user turn
+  (``chat=True``), the answer prefix opening the reply, and the token where the context ends (the
+  protocols compress the context and count the budget from it). Natural-text samples (metric ``kl``) are
   never wrapped: their prompt is plain text and the continuation is teacher-forced after it.
+- **Protocol** (``protocol``, ``decode_budget``; ``cache.runner`` documents each): ``streaming``,
+  ``oneshot``, ``oneshot-question`` or ``multiturn``. In the one-shot protocols a sample's dense prefill is
+  computed once and every run (the full cache's included) continues from its own copy of it
+  (``share_prefill=False`` recomputes it per run: same results, for the throughput benchmark).
+- **Multi-turn** samples are answered turn by turn (``multiturn`` protocol); ``turn_scores`` holds each
+  turn's score and ``score`` their mean.
 - **Runs.** For each sample the full cache runs first (the reference: it calibrates accuracy and gives the
   reference logits), then every controller at every budget (``full`` once, recorded with budget 1.0; it is
   always run, whether or not ``controllers`` names it). A fresh controller is built per run from its
@@ -34,13 +39,15 @@ Design:
 - **Costs.** ``bytes_read_per_token``: attention bytes read per decode step (all layers, the runner's
   mean); ``bytes_moved_per_token``: bytes moved between tiers over the whole run (prefill + decode) per
   generated token; ``decode_ms_per_token`` and ``ttft_ms`` are wall times (not deterministic).
-- **Resuming.** A run whose key ``(controller, budget, task, length, index, seed)`` is already in
-  ``samples.jsonl`` is skipped; a sample none of whose runs are missing is not even generated. When only
+- **Resuming.** A run whose key ``(controller, budget, task, length, index, seed, sample_hash)`` is already in
+  ``samples.jsonl`` is skipped. ``sample_hash`` is a hash of the sample's text, answer prefix, gold answers
+  and turns, so a sample whose content changed (an edited tasks file, a changed generator) runs again and
+  its old rows are not reported. When only
   some of a sample's runs are missing, the full-cache reference is run again (deterministic) for its logits
   but not written twice. A truncated last line (an interrupted write) is dropped with a warning; any other
   unreadable line is an error naming it.
-- **Custom samples** (``tasks_file``): one JSON object per line (``read_tasks_file``); the task name is the
-  file's stem, ``index`` the sample's position in the file (blank lines skipped), ``length`` the prompt's
+- **Custom samples** (``tasks_file``, or ``dataset`` read through ``datasets``: ``eval.datasets``): one JSON
+  object per line (``read_tasks_file``); the task name is the file's stem (a dataset's ``task`` column), ``index`` the sample's position in the file (blank lines skipped), ``length`` the prompt's
   token count rounded up to a power of two (the bucket the tables group by; ``prompt_tokens`` keeps the
   exact count) and ``seed`` the run's seed (it draws nothing).
 """
@@ -59,15 +66,15 @@ import torch
 FULL = "full"
 FULL_BUDGET = 1.0
 CUSTOM_METRICS = ("string_match_all", "string_match_part", "exact")
-KEY_FIELDS = ("controller", "budget", "task", "length", "index", "seed")
+KEY_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "sample_hash")
 RECORD_FIELDS = KEY_FIELDS + (
-    "sample_seed", "metric", "prompt_tokens", "new_tokens", "text", "score", "kl", "perplexity",
-    "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token", "ttft_ms", "fallbacks",
-    "budget_blocks", "operations",
+    "protocol", "sample_seed", "metric", "prompt_tokens", "context_tokens", "new_tokens", "text", "score",
+    "turn_scores", "kl", "perplexity", "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token",
+    "ttft_ms", "fallbacks", "budget_blocks", "peak_device_blocks", "operations",
 )
 TIMING_FIELDS = ("decode_ms_per_token", "ttft_ms")
-TASKS_FILE_KEYS = {"input": "required", "outputs": "required", "metric": "required", "answer_prefix": "optional",
-                   "max_new_tokens": "optional"}
+TASKS_FILE_KEYS = {"input": "input, or context + question", "context": "optional", "question": "optional",
+                   "outputs": "required", "metric": "required", "answer_prefix": "optional", "max_new_tokens": "optional"}
 
 
 # ---------------------------------------------------------------- inputs
@@ -79,6 +86,15 @@ def sample_seed(seed: int, task: str, length: int, index: int) -> int:
     so results pair across lengths."""
     digest = hashlib.sha256(f"{seed}:{task}:{index}".encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def sample_hash(sample) -> str:
+    """A hash of what a sample asks and expects (text, answer prefix, gold answers, turns, metric)."""
+    content = {"input": sample.input, "question": sample.question, "answer_prefix": sample.answer_prefix,
+               "outputs": list(sample.outputs), "metric": sample.metric, "continuation": sample.continuation,
+               "max_new_tokens": sample.max_new_tokens,
+               "turns": [[t.question, t.answer_prefix, list(t.outputs)] for t in sample.turns]}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def available_tasks() -> list[str]:
@@ -142,7 +158,7 @@ def check_inputs(controllers, budgets, tasks, lengths, n, max_positions: int | N
         except (TypeError, ValueError):
             raise ValueError(f"--budgets: {value!r} is not a number; give fractions in (0, 1] like 0.25") from None
         if not 0.0 < budget <= 1.0 or math.isnan(budget):
-            raise ValueError(f"--budgets: {value!r} is outside (0, 1]; a budget is a fraction of the run's tokens")
+            raise ValueError(f"--budgets: {value!r} is outside (0, 1]; a budget is a fraction of the context's tokens")
         budget_list.append(budget)
     budget_list = sorted(set(budget_list))
 
@@ -170,7 +186,8 @@ def check_inputs(controllers, budgets, tasks, lengths, n, max_positions: int | N
 def read_tasks_file(path: str | Path) -> list[dict]:
     """Parse a JSONL file of user samples; a malformed line raises ``ValueError("F.jsonl line 3: ...")``.
 
-    Each non-blank line is an object with ``input`` (non-empty string), ``outputs`` (non-empty list of
+    Each non-blank line is an object with ``input`` (non-empty string) or ``context`` and ``question`` (strings;
+    ``input`` may be given too and must then equal their concatenation), ``outputs`` (non-empty list of
     strings), ``metric`` (string_match_all | string_match_part | exact) and optionally ``answer_prefix``
     (string, default "") and ``max_new_tokens`` (positive integer, default 32). Other keys are refused (a
     misspelt key would otherwise be ignored). Blank lines are skipped.
@@ -197,8 +214,21 @@ def read_tasks_file(path: str | Path) -> list[dict]:
             if unknown:
                 raise bad(f"unknown key(s) {unknown}; the keys are {', '.join(TASKS_FILE_KEYS)}")
             missing = [k for k, need in TASKS_FILE_KEYS.items() if need == "required" and k not in item]
+            if "input" not in item and not ("context" in item and "question" in item):
+                missing.insert(0, "input (or context and question)")
             if missing:
                 raise bad(f"missing key(s) {missing}")
+            for key in ("context", "question"):
+                if key in item and not isinstance(item[key], str):
+                    raise bad(f"'{key}' must be a string")
+            question = item.get("question", "")
+            if "context" in item:
+                joined = item["context"] + question
+                if "input" in item and item["input"] != joined:
+                    raise bad("'input' must equal 'context' + 'question' when all three are given")
+                item["input"] = joined
+            elif question and not str(item["input"]).endswith(question):
+                raise bad("'question' must be the end of 'input'")
             if not isinstance(item["input"], str) or not item["input"].strip():
                 raise bad("'input' must be a non-empty string")
             prefix = item.get("answer_prefix", "")
@@ -213,7 +243,7 @@ def read_tasks_file(path: str | Path) -> list[dict]:
             max_new = item.get("max_new_tokens", 32)
             if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new <= 0:
                 raise bad(f"'max_new_tokens' must be a positive integer, got {max_new!r}")
-            entries.append({"input": item["input"], "answer_prefix": prefix, "outputs": list(outputs),
+            entries.append({"input": item["input"], "question": question, "answer_prefix": prefix, "outputs": list(outputs),
                             "metric": item["metric"], "max_new_tokens": max_new, "line": number})
     if not entries:
         raise ValueError(f"--tasks-file: {path.name} holds no samples")
@@ -228,22 +258,17 @@ def length_bucket(tokens: int) -> int:
 # ---------------------------------------------------------------- prompts and metrics
 
 
-def encode(tokenizer, text: str, special: bool = True) -> list[int]:
-    """Token ids of ``text``; ``special=False`` adds no BOS/EOS (for text appended to a prompt)."""
-    ids = tokenizer(text).input_ids if special else tokenizer(text, add_special_tokens=False).input_ids
-    return list(ids.tolist() if hasattr(ids, "tolist") else ids)
-
-
 def prompt_ids(tokenizer, sample, chat: bool = True) -> list[int]:
-    """``chat(sample.input) + tokens(sample.answer_prefix)``, or ``tokens(sample.prompt)`` without chat."""
-    if chat and sample.metric != "kl" and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": sample.input}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
-        if sample.answer_prefix:
-            ids += encode(tokenizer, sample.answer_prefix, special=False)
-        return ids
-    return encode(tokenizer, sample.prompt)
+    """The sample's prompt token ids (``eval.tasks.prompt.build_prompt``)."""
+    from eval.tasks.prompt import build_prompt
+
+    return build_prompt(tokenizer, sample, chat).ids
+
+
+def encode(tokenizer, text: str, special: bool = True) -> list[int]:
+    from eval.tasks.prompt import encode as encode_text
+
+    return encode_text(tokenizer, text, special)
 
 
 def continuation_ids(tokenizer, sample) -> list[int]:
@@ -282,33 +307,45 @@ class _Work:
 
 
 class _Context:
-    def __init__(self, model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every):
+    def __init__(self, model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every,
+                 protocol="streaming", decode_budget="grow", share_prefill=True):
         from cache.paged_cache import CacheConfig
         from cache.sentences import sentence_end_token_ids
 
         self.model, self.tokenizer, self.chat = model, tokenizer, chat
         self.cache_config = CacheConfig(block_size=block_size, host_blocks=host_blocks)
         self.prefill_chunk, self.decide_every = prefill_chunk, decide_every
+        self.protocol, self.decode_budget, self.share_prefill = protocol, decode_budget, share_prefill
         # the vocabulary scan is done once here rather than by every Runner
         self.sentence_end_ids = sentence_end_token_ids(tokenizer) if hasattr(tokenizer, "get_vocab") else None
+        self.shared = None  # the current sample's dense prefill (one-shot protocols)
 
-    def runner(self, controller, budget):
+    def runner(self, controller, budget, protocol=None):
         from cache.runner import Runner
 
         runner = Runner(self.model, None, self.cache_config, controller=controller, budget=budget,
-                        prefill_chunk=self.prefill_chunk, decide_every=self.decide_every)
+                        prefill_chunk=self.prefill_chunk, decide_every=self.decide_every,
+                        protocol=protocol or self.protocol, decode_budget=self.decode_budget)
         runner.tokenizer, runner.sentence_end_ids = self.tokenizer, self.sentence_end_ids
         return runner
 
-    def run(self, controller, budget, ids, sample, forced):
+    def start_sample(self, prompt, sample, forced) -> None:
+        """Compute the sample's dense prefill once (one-shot protocols with sharing on)."""
+        self.shared = None
+        if self.share_prefill and self.protocol in ("oneshot", "oneshot-question"):
+            max_new = len(forced) if forced else sample.max_new_tokens
+            self.shared = self.runner(None, None).dense_prefill(prompt, max_new)
+
+    def run(self, controller, budget, prompt, sample, forced):
         runner = self.runner(controller, budget)
-        result = runner.run(ids, max_new_tokens=sample.max_new_tokens, keep_logits=True, forced_tokens=forced)
+        result = runner.run(prompt, max_new_tokens=sample.max_new_tokens, keep_logits=True, forced_tokens=forced,
+                            shared=self.shared)
         if result.cache is not None:
             result.cache.close()
             result.cache = None
         return result
 
-    def oracle(self, spec, ids, sample, forced):
+    def oracle(self, spec, prompt, sample, forced):
         from agents.baselines.oracle import TraceRecorder
         from agents.registry import make_controller
         from cache.paged_cache import CacheConfig
@@ -317,51 +354,66 @@ class _Context:
         oracle = make_controller(spec)
         config = CacheConfig(**{**self.cache_config.__dict__,
                                 "stats_window": max(self.cache_config.stats_window, self.prefill_chunk)})
-        total = len(ids) + (len(forced) if forced else sample.max_new_tokens)
+        total = len(prompt.ids) + (len(forced) if forced else sample.max_new_tokens)
         recorder = TraceRecorder()
+        # a full-cache streaming pass over the same tokens records every forward's attention
         runner = Runner(self.model, None, config, controller=recorder,
                         budget=max(-(-total // config.block_size), config.sink_blocks + 1),
-                        prefill_chunk=self.prefill_chunk, decide_every=1)
+                        prefill_chunk=self.prefill_chunk, decide_every=1, protocol="streaming")
         runner.sentence_end_ids = self.sentence_end_ids
-        result = runner.run(ids, max_new_tokens=sample.max_new_tokens, forced_tokens=forced)
+        result = runner.run(prompt, max_new_tokens=sample.max_new_tokens, forced_tokens=forced)
         if result.cache is not None:
             result.cache.close()
         oracle.trace = recorder.trace(result.new_tokens)
         return oracle
 
 
-def _record(key: dict, sample, sample_seed_value, result, reference, forced, text) -> dict:
+def _record(key: dict, sample, sample_seed_value, result, reference, forced, protocol) -> dict:
     if forced is not None:
         logits = torch.stack([t.cpu() for t in result.logits])
         targets = torch.tensor(forced[: len(logits)])
         log_probs = torch.log_softmax(logits.double(), dim=-1)
         nll = -log_probs.gather(1, targets[:, None]).squeeze(1)
         score = float((logits.argmax(dim=-1) == targets).double().mean())
+        turn_scores = None
         perplexity = float(torch.exp(nll.mean()))
         ref = torch.stack([t.cpu() for t in reference.logits])
         kl = float(kl_divergence(ref, logits).mean())
     else:
-        score = score_sample(sample, text)
+        texts = result.turn_texts or [result.text]
+        turn_scores = [score_sample(_turn_view(sample, number), text or "") for number, text in enumerate(texts)]
+        score = sum(turn_scores) / len(turn_scores)
+        turn_scores = turn_scores if sample.turns else None
         perplexity = None
         kl = float(kl_divergence(reference.logits[0], result.logits[0]))
     moved = sum(result.bytes_moved.values()) if result.bytes_moved else 0
-    generated = max(len(result.new_tokens), 1)
+    generated = max(sum(len(t) for t in result.turn_tokens) or len(result.new_tokens), 1)
     return {
-        **key, "sample_seed": sample_seed_value, "metric": sample.metric, "prompt_tokens": result.prompt_tokens,
-        "new_tokens": len(result.new_tokens), "text": None if forced is not None else text,
-        "score": score, "kl": kl, "perplexity": perplexity,
+        **key, "protocol": protocol, "sample_seed": sample_seed_value, "metric": sample.metric,
+        "prompt_tokens": result.prompt_tokens, "context_tokens": result.context_tokens,
+        "new_tokens": len(result.new_tokens),
+        "text": None if forced is not None else (result.text if not sample.turns else result.turn_texts),
+        "score": score, "turn_scores": turn_scores, "kl": kl, "perplexity": perplexity,
         "bytes_read_per_token": float(result.bytes_read_per_token),
         "bytes_moved_per_token": moved / generated,
         "decode_ms_per_token": round(result.decode_ms_per_token, 3), "ttft_ms": round(1000 * result.ttft_s, 3),
         "fallbacks": result.fallbacks,
         "budget_blocks": result.budget_blocks[0] if result.budget_blocks else None,
+        "peak_device_blocks": result.peak_device_blocks,
         "operations": {k: v for k, v in sorted(result.operations.items()) if v},
     }
 
 
+def _turn_view(sample, number: int):
+    """What turn ``number`` (0 = the first) is scored against: the sample, or a copy with the turn's answers."""
+    if number == 0:
+        return sample
+    return {"metric": sample.metric, "outputs": sample.turns[number - 1].outputs, "task": sample.task}
+
+
 def record_key(record: dict) -> tuple:
     return (str(record["controller"]), float(record["budget"]), str(record["task"]), int(record["length"]),
-            int(record["index"]), int(record["seed"]))
+            int(record["index"]), int(record["seed"]), str(record.get("sample_hash", "")))
 
 
 def load_records(path: Path) -> dict[tuple, dict]:
@@ -399,23 +451,32 @@ def _check_config(out: Path, config: dict) -> None:
 
 
 def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, seed: int, out_dir: str | Path, *,
-             tasks_file: str | Path | None = None, chat: bool = True, host_blocks: int = 0, block_size: int = 16,
-             prefill_chunk: int = 64, decide_every: int = 8, model_name: str | None = None,
-             progress: bool = True, plots: bool = True) -> list[dict]:
+             tasks_file: str | Path | None = None, dataset: str | None = None, dataset_split: str | None = None,
+             chat: bool = True, host_blocks: int = 0, block_size: int = 16, prefill_chunk: int = 64,
+             decide_every: int = 8, protocol: str = "streaming", decode_budget: str = "grow",
+             share_prefill: bool = True, model_name: str | None = None, progress: bool = True,
+             plots: bool = True) -> list[dict]:
     """Run the evaluation (see the module docstring) and write the files; returns the summary rows.
 
     ``controllers`` are registry specs (a list, or one comma-separated string), ``budgets`` fractions in
-    (0, 1], ``tasks`` registered task names (``None``: only ``tasks_file``), ``lengths`` target prompt
-    lengths in tokens, ``n`` samples per task and length.
+    (0, 1] of each sample's context, ``tasks`` registered task names (``None``: only ``tasks_file`` /
+    ``dataset``), ``lengths`` target prompt lengths in tokens, ``n`` samples per task and length (and the
+    most samples taken from a dataset).
     """
     from tqdm import tqdm
 
+    from cache.runner import DECODE_BUDGETS, PROTOCOLS
     from eval import report
 
     max_positions = int(getattr(model.config, "max_position_embeddings", 0)) or None
-    if tasks is None and tasks_file is None:
-        raise ValueError("--tasks: give at least one task, or a --tasks-file")
+    if tasks is None and tasks_file is None and dataset is None:
+        raise ValueError("--tasks: give at least one task, a --tasks-file or a --dataset")
     specs, budget_list, task_list, length_list = check_inputs(controllers, budgets, tasks, lengths, n, max_positions)
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"--protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+    if decode_budget not in DECODE_BUDGETS:
+        raise ValueError(f"--decode-budget {decode_budget!r}: choose one of {', '.join(DECODE_BUDGETS)}")
+    check_protocol(specs, protocol)
     if host_blocks < 0:
         raise ValueError(f"--host-blocks: must be >= 0, got {host_blocks}")
     if prefill_chunk < 1 or decide_every < 1:
@@ -424,6 +485,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
 
     work: list[_Work] = [_Work(task, length, index) for task in task_list for length in length_list
                          for index in range(n)]
+    custom = []
     if tasks_file is not None:
         from eval.tasks.base import Sample
 
@@ -431,37 +493,46 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
         if stem in task_list:
             raise ValueError(f"--tasks-file: its task name {stem!r} (the file's stem) is also in --tasks; rename the file")
         for index, entry in enumerate(read_tasks_file(tasks_file)):
-            sample = Sample(task=stem, length=0, seed=seed, index=index, input=entry["input"],
-                            answer_prefix=entry["answer_prefix"], outputs=entry["outputs"], metric=entry["metric"],
-                            max_new_tokens=entry["max_new_tokens"], meta={"line": entry["line"]})
-            sample.length = length_bucket(len(prompt_ids(tokenizer, sample, chat)))
-            work.append(_Work(stem, sample.length, index, sample))
+            custom.append(Sample(task=stem, length=0, seed=seed, index=index, input=entry["input"],
+                                 question=entry["question"], answer_prefix=entry["answer_prefix"],
+                                 outputs=entry["outputs"], metric=entry["metric"],
+                                 max_new_tokens=entry["max_new_tokens"], meta={"line": entry["line"]}))
+    if dataset is not None:
+        from eval.datasets import load_samples
+
+        custom += load_samples(dataset, split=dataset_split, limit=n)
+    for sample in custom:
+        if sample.turns and protocol != "multiturn":
+            raise ValueError(f"sample {sample.task}/{sample.index} has {len(sample.turns) + 1} turns: "
+                             "use --protocol multiturn")
+        sample.length = length_bucket(len(prompt_ids(tokenizer, sample, chat)))
+        work.append(_Work(sample.task, sample.length, sample.index, sample))
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
     _check_config(out, {"model": name, "chat": chat, "host_blocks": host_blocks, "block_size": block_size,
-                        "prefill_chunk": prefill_chunk, "decide_every": decide_every})
+                        "prefill_chunk": prefill_chunk, "decide_every": decide_every, "protocol": protocol,
+                        "decode_budget": decode_budget})
     samples_path = out / "samples.jsonl"
     done = load_records(samples_path)
 
     runs = [(FULL, FULL_BUDGET)] + [(spec, budget) for spec in specs if spec != FULL for budget in budget_list]
-    keys_of = {id(item): [(spec, budget, item.task, item.length, item.index, seed) for spec, budget in runs]
-               for item in work}
-    wanted = [key for item in work for key in keys_of[id(item)]]
-    context = None
-    bar = tqdm(total=len(wanted), desc="kvgym eval", unit="run", **({} if progress else {"disable": True}))
+    context = _Context(model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every, protocol,
+                       decode_budget, share_prefill)
+    wanted: list[tuple] = []
+    bar = tqdm(total=len(work) * len(runs), desc="kvgym eval", unit="run", **({} if progress else {"disable": True}))
     try:
         with open(samples_path, "a", encoding="utf-8") as sink:
             for item in work:
-                keys = keys_of[id(item)]
+                sample, sample_seed_value = _make_sample(context, item, generators, seed)
+                keys = [(spec, budget, item.task, item.length, item.index, seed, sample_hash(sample))
+                        for spec, budget in runs]
+                wanted += keys
                 missing = [key for key in keys if key not in done]
                 bar.update(len(keys) - len(missing))
-                if not missing:
-                    continue
-                if context is None:
-                    context = _Context(model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every)
-                _run_sample(context, item, generators, seed, runs, done, sink, bar)
+                if missing:
+                    _run_sample(context, item, sample, sample_seed_value, keys, done, sink, bar)
     finally:
         bar.close()
 
@@ -469,13 +540,30 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
     return report.write_report(records, out, plots=plots)
 
 
-def _run_sample(context: _Context, item: _Work, generators: dict, seed: int, runs, done: dict, sink, bar) -> None:
-    from agents.registry import make_controller, parse_spec
+def check_protocol(specs: list[str], protocol: str) -> None:
+    """Refuse a controller that cannot run under ``protocol`` (a controller lists what it supports in
+    ``protocols``; the default is every protocol)."""
+    from agents.registry import controller_class, parse_spec
 
-    sample_seed_value = sample_seed(seed, item.task, item.length, item.index) if item.sample is None else None
-    sample = item.sample
-    if sample is None:
-        sample = generators[item.task](context.tokenizer, item.length, sample_seed_value, item.index)
+    for spec in specs:
+        supported = getattr(controller_class(parse_spec(spec)[0]), "protocols", None)
+        if supported is not None and protocol not in supported:
+            raise ValueError(f"--controllers: {spec} cannot run under --protocol {protocol} "
+                             f"(it supports {', '.join(supported)})")
+
+
+def _make_sample(context: _Context, item: _Work, generators: dict, seed: int):
+    if item.sample is not None:
+        return item.sample, None
+    sample_seed_value = sample_seed(seed, item.task, item.length, item.index)
+    return generators[item.task](context.tokenizer, item.length, sample_seed_value, item.index), sample_seed_value
+
+
+def _run_sample(context: _Context, item: _Work, sample, sample_seed_value, keys: list[tuple], done: dict, sink,
+                bar) -> None:
+    from agents.registry import make_controller, parse_spec
+    from eval.tasks.prompt import build_prompt
+
     where = f"task {item.task} length {item.length} sample {item.index}"
     if sample.metric == "kl":
         if not sample.continuation:
@@ -486,14 +574,15 @@ def _run_sample(context: _Context, item: _Work, generators: dict, seed: int, run
         sample.max_new_tokens = len(forced)
     else:
         forced = None
-    ids = prompt_ids(context.tokenizer, sample, context.chat)
+    prompt = build_prompt(context.tokenizer, sample, context.chat)
     oracles: dict[str, object] = {}  # one trace per sample, shared by every budget
     try:
-        reference = context.run(None, None, ids, sample, forced)
+        context.start_sample(prompt, sample, forced)
+        reference = context.run(None, None, prompt, sample, forced)
     except ValueError as err:
         raise ValueError(f"{where}, full cache: {err}") from None
-    for spec, budget in runs:
-        key = (spec, budget, item.task, item.length, item.index, seed)
+    for key in keys:
+        spec, budget = key[0], key[1]
         if key in done:
             continue
         bar.set_postfix_str(f"{item.task}/{item.length}/{item.index} {spec}@{budget:g}", refresh=False)
@@ -503,17 +592,17 @@ def _run_sample(context: _Context, item: _Work, generators: dict, seed: int, run
             try:
                 if parse_spec(spec)[0] == "oracle":
                     if spec not in oracles:
-                        oracles[spec] = context.oracle(spec, ids, sample, forced)
+                        oracles[spec] = context.oracle(spec, prompt, sample, forced)
                     controller = oracles[spec]
                 else:
                     controller = make_controller(spec)
-                result = context.run(controller, budget, ids, sample, forced)
+                result = context.run(controller, budget, prompt, sample, forced)
             except ValueError as err:
                 raise ValueError(f"{where}, controller {spec} at budget {budget:g}: {err}") from None
-        text = result.text if result.text is not None else ""
         record = _record(dict(zip(KEY_FIELDS, key, strict=True)), sample, sample_seed_value, result, reference, forced,
-                         text)
+                         context.protocol)
         sink.write(json.dumps(record) + "\n")
         sink.flush()
         done[key] = record
         bar.update(1)
+    context.shared = None

@@ -1,7 +1,9 @@
 """Tables and plots of an evaluation: ``summary.csv``, ``summary.md``, ``accuracy_vs_budget.png``, ``bytes_vs_context.png``.
 
 One summary row per (controller, budget, task, length) over the samples run: ``n``, ``accuracy`` (mean
-score), ``rel_accuracy`` (accuracy / the full cache's accuracy on the same samples; empty when the full
+score) with its Wilson 95% interval (``ci_low``, ``ci_high``; scores in between 0 and 1, such as partial
+``string_match_all`` credit, count as that fraction of a success), ``turn_accuracy`` (multi-turn samples: the
+mean score of each turn, "t1/t2/..."), ``rel_accuracy`` (accuracy / the full cache's accuracy on the same samples; empty when the full
 cache scores 0, and then ``full_cache_failed`` is 1), and the means of ``kl``, ``bytes_read_per_token``,
 ``bytes_moved_per_token``, ``decode_ms_per_token`` and ``ttft_ms``. The full cache has one row per task and
 length, with budget 1.0. ``summary.md`` holds the same table, flags the groups where the full cache fails,
@@ -16,9 +18,9 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-SUMMARY_COLUMNS = ("controller", "budget", "task", "length", "n", "accuracy", "rel_accuracy", "kl",
-                   "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token", "ttft_ms",
-                   "full_cache_failed")
+SUMMARY_COLUMNS = ("controller", "budget", "task", "length", "n", "accuracy", "ci_low", "ci_high", "rel_accuracy",
+                   "turn_accuracy", "kl", "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token",
+                   "ttft_ms", "full_cache_failed")
 MEAN_FIELDS = ("kl", "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token", "ttft_ms")
 FULL = "full"
 
@@ -26,6 +28,24 @@ FULL = "full"
 def _mean(values) -> float:
     values = [float(v) for v in values if v is not None]
     return sum(values) / len(values) if values else math.nan
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95% by default); (nan, nan) for n = 0."""
+    if n <= 0:
+        return math.nan, math.nan
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _turn_accuracy(group: list[dict]) -> str:
+    turns = [r.get("turn_scores") for r in group]
+    if not turns or any(not t for t in turns):
+        return ""
+    count = min(len(t) for t in turns)
+    return "/".join(f"{_mean(t[i] for t in turns):.2f}" for i in range(count))
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -46,8 +66,10 @@ def summarize(records: list[dict]) -> list[dict]:
         full_accuracy = _mean(reference) if all(v is not None for v in reference) else math.nan
         failed = not math.isnan(full_accuracy) and full_accuracy == 0.0
         rel = accuracy / full_accuracy if not math.isnan(full_accuracy) and full_accuracy > 0 else math.nan
+        ci_low, ci_high = wilson_interval(sum(float(r["score"]) for r in group), len(group))
         row = {"controller": controller, "budget": budget, "task": task, "length": length, "n": len(group),
-               "accuracy": accuracy, "rel_accuracy": rel, "full_cache_failed": int(failed),
+               "accuracy": accuracy, "ci_low": ci_low, "ci_high": ci_high, "rel_accuracy": rel,
+               "turn_accuracy": _turn_accuracy(group), "full_cache_failed": int(failed),
                "full_accuracy": full_accuracy, "metric": group[0].get("metric"),
                "perplexity": _mean(r.get("perplexity") for r in group)}
         row.update({field: _mean(r.get(field) for r in group) for field in MEAN_FIELDS})
@@ -60,7 +82,7 @@ def _format(column: str, value) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return ""
-        if column in ("accuracy", "rel_accuracy"):
+        if column in ("accuracy", "rel_accuracy", "ci_low", "ci_high"):
             return f"{value:.4f}"
         if column == "kl":
             return f"{value:.6g}"
@@ -93,7 +115,8 @@ def write_summary_md(rows: list[dict], path: Path) -> None:
              + ["⚠ full cache fails" if row["full_cache_failed"] else ""] for row in rows]
     parts = ["# kvgym eval summary", "",
              "accuracy: mean score (natural-text tasks, metric kl: top-1 next-token accuracy over the "
-             "teacher-forced continuation); rel_accuracy: accuracy / the full cache's accuracy on the same "
+             "teacher-forced continuation), ci_low..ci_high its Wilson 95% interval; turn_accuracy: per turn "
+             "(multi-turn tasks); rel_accuracy: accuracy / the full cache's accuracy on the same "
              "samples; kl: KL(full || controller) in nats at the first generated position (natural text: mean "
              "over the continuation); bytes per generated token; the full cache is listed with budget 1.", "",
              _md_table(header, lines), ""]
@@ -162,7 +185,7 @@ def plot_accuracy_vs_budget(rows: list[dict], path: Path) -> None:
         lengths = ",".join(str(x) for x in sorted({r["length"] for r in task_rows}))
         flag = "  [full cache fails]" if full_accuracy == 0.0 else ""
         ax.set_title(f"{task} (lengths {lengths}){flag}", color="tab:red" if flag else "black", fontsize=10)
-        ax.set_xlabel("device budget (fraction of the run's tokens)")
+        ax.set_xlabel("device budget (fraction of the context)")
         ax.set_ylabel("top-1 next-token accuracy" if task_rows[0]["metric"] == "kl" else "accuracy")
         ax.set_ylim(-0.05, 1.05)
         ax.grid(True, alpha=0.3)

@@ -5,13 +5,15 @@ Subcommands:
   kvgym generate [options]         run a prompt through the paged cache and print the text and cache state
   kvgym bandwidth [options]        bytes per attention call vs context, full cache vs a budget (CSV, PNG, JSON)
   kvgym bench cache [options]      decode/prefill speed of the paged cache vs DynamicCache (JSON)
-  kvgym bench ops [options]        operation times, CacheView cost, budgeted vs full decode (JSON)
+  kvgym bench ops [options]        operation times, CacheView cost, budgeted (evict / merge) vs full decode (JSON)
+  kvgym bench roofline [options]   memory bandwidth and decode time as a fraction of the byte floor (JSON)
   kvgym eval [options]             tasks × lengths × controllers × budgets vs the full cache (JSONL, CSV, MD, PNG)
   kvgym traces build [options]     full-cache attention traces of task samples for the replay env (.pt + index.json)
   kvgym traces compare [options]   mean replay returns of policies (baselines, scripted, ppo:PATH) per budget (JSON)
   kvgym train --config C [k=v ...] MaskablePPO on the replay env, live evaluation, TensorBoard, checkpoints (--resume)
   kvgym bench env [options]        env steps/s (live single/batched, replay) and replay-live correlation (JSON)
   kvgym bench policy [options]     time per decision of a trained policy (direct path vs SB3 predict) (JSON)
+  kvgym bench eval [options]       evaluation runs per hour with and without shared dense prefills (JSON)
   kvgym tensorboard [--logdir D]   TensorBoard on the training runs (offline)
 """
 
@@ -24,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 
 BUNDLED_PROMPT = "alice_chapter1.txt"
+PROTOCOL_CHOICES = ("streaming", "oneshot", "oneshot-question", "multiturn")  # cache.runner.PROTOCOLS
 
 
 def bundled_prompt() -> str:
@@ -31,15 +34,14 @@ def bundled_prompt() -> str:
 
 
 def parse_budget(text: str | None):
-    """``0.25`` → fraction of the run's tokens; ``64`` → blocks per layer; ``none``/``full`` → no budget."""
-    if text is None or text.lower() in ("none", "full"):
-        return None
+    """``0.25`` → a fraction of the context; ``64`` → blocks per layer; ``none``/``full`` → no budget
+    (``cache.runner.parse_budget``, the one budget parser)."""
+    from cache.runner import parse_budget as parse
+
     try:
-        return float(text) if any(c in text for c in ".eE") else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--budget {text!r}: use a fraction like 0.25, a block count like 64, or 'full'"
-        ) from None
+        return parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -74,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-file", type=Path, help=f"text file with the prompt (default: bundled {BUNDLED_PROMPT})")
     source.add_argument("--prompt", help="the prompt text itself")
     generate.add_argument("--budget", type=parse_budget, default=None,
-                          help="device budget: fraction of the run's tokens (0.25), blocks per layer (64), or 'full'")
+                          help="device budget: fraction of the prompt's tokens (0.25), blocks per layer (64), or 'full'")
+    generate.add_argument("--protocol", default="streaming", choices=("streaming", "oneshot"),
+                          help="streaming: chunked prefill with decisions, bounded memory; oneshot: dense prefill, "
+                               "one decision, then the cache grows while decoding")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--block-size", type=int, default=16)
     generate.add_argument("--controller", default=None,
@@ -130,12 +135,31 @@ def build_parser() -> argparse.ArgumentParser:
                            help="UTF-8 text file, or a .json list of token ids (default: packaged eval/data/alice29.txt)")
     bandwidth.add_argument("--host-blocks", type=int, default=0, help="host-tier blocks per layer (0: evicted blocks are dropped)")
     bandwidth.add_argument("--out", type=Path, required=True, help="folder for bandwidth.csv/.png, evictions.jsonl, summary.json")
+    bench_eval = bench_kinds.add_parser("eval", help="evaluation runs per hour with and without shared dense prefills")
+    _add_model_args(bench_eval)
+    bench_eval.add_argument("--controllers", default="h2o,tova,snapkv,streamingllm,lru")
+    bench_eval.add_argument("--budgets", default="0.125,0.25,0.5")
+    bench_eval.add_argument("--tasks", default="passkey")
+    bench_eval.add_argument("--lengths", default="1024")
+    bench_eval.add_argument("--n", type=int, default=2)
+    bench_eval.add_argument("--protocol", default="oneshot-question", choices=("oneshot", "oneshot-question"))
+    bench_eval.add_argument("--json", type=Path, required=True, help="where to write the results")
     bench_ops = bench_kinds.add_parser("ops", help="time per operation, CacheView cost, budgeted vs full decode")
     _add_model_args(bench_ops)
     bench_ops.add_argument("--contexts", type=parse_int_list, default=[4096, 8192])
     bench_ops.add_argument("--budget", type=float, default=0.25)
-    bench_ops.add_argument("--decode-steps", type=int, default=16)
+    bench_ops.add_argument("--decode-steps", type=int, default=32,
+                           help="per run; 32 covers two block boundaries (two evictions / merges per layer)")
     bench_ops.add_argument("--json", type=Path, required=True, help="where to write the results")
+
+    bench_roofline = bench_kinds.add_parser(
+        "roofline", help="memory bandwidth, per-token byte floor, decode time as a fraction of it (full / budgeted)")
+    _add_model_args(bench_roofline)
+    bench_roofline.add_argument("--contexts", type=parse_int_list, default=[512, 2048, 4096, 8192])
+    bench_roofline.add_argument("--budget", type=float, default=0.25)
+    bench_roofline.add_argument("--decode-steps", type=int, default=16)
+    bench_roofline.add_argument("--bandwidth-mb", type=int, default=512, help="buffer size of the bandwidth test")
+    bench_roofline.add_argument("--json", type=Path, required=True, help="where to write the results")
 
     evaluation = commands.add_parser(
         "eval", help="accuracy, KL and bytes of controllers × budgets on the task suite, against the full cache")
@@ -144,7 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
                             help="comma-separated controller specs (parameters stay with their spec: "
                                  "lru,h2o:heavy_ratio=0.25,recent_ratio=0.25); the full cache always runs as the reference")
     evaluation.add_argument("--budgets", default="0.125,0.25,0.5",
-                            help="comma-separated device budgets, fractions in (0, 1] of each run's tokens")
+                            help="comma-separated device budgets, fractions in (0, 1] of each sample's context")
+    evaluation.add_argument("--protocol", default="streaming", choices=PROTOCOL_CHOICES,
+                            help="streaming (chunked prefill with decisions, a decision after the question, bounded "
+                                 "memory), oneshot (kvpress: dense prefill of the context, one decision, the cache "
+                                 "grows), oneshot-question (the question inside the dense prefill), multiturn")
+    evaluation.add_argument("--decode-budget", default="grow", choices=("grow", "fixed"),
+                            help="one-shot protocols: the cache grows after the decision (kvpress), or keeps the budget")
+    evaluation.add_argument("--dataset", default=None,
+                            help="samples through `datasets`: a local JSONL/Parquet file or folder, or a hub id "
+                                 "(kvpress schema: context, question, answers; SCBench: context, multi_turns)")
+    evaluation.add_argument("--dataset-split", default=None, help="the split of --dataset (when it has several)")
+    evaluation.add_argument("--block-size", type=int, default=16, help="tokens per cache block (1: token level)")
     evaluation.add_argument("--tasks", default=None,
                             help="comma-separated task names (default: passkey,niah_single,vt,research,text; "
                                  "with --tasks-file and no --tasks: only the file)")
@@ -152,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--n", type=int, default=20, help="samples per task and length")
     evaluation.add_argument("--seed", type=int, default=0, help="draws the samples (another seed: fresh samples)")
     evaluation.add_argument("--tasks-file", type=Path, default=None,
-                            help="JSONL of your own samples: input, answer_prefix, outputs, metric per line")
+                            help="JSONL of your own samples: input (or context + question), answer_prefix, outputs, "
+                                 "metric per line")
     evaluation.add_argument("--host-blocks", type=int, default=512,
                             help="host-tier blocks per layer (default 512 = 8k tokens: evicted blocks stay "
                                  "fetchable, which retrieval policies such as sentencekv and quest need; "
@@ -206,18 +242,27 @@ def cmd_eval(args) -> int:
     from cache import models
     from eval.harness import check_inputs, evaluate, read_tasks_file, task_generator
 
-    tasks = args.tasks if args.tasks is not None else (None if args.tasks_file else DEFAULT_EVAL_TASKS)
+    tasks = args.tasks if args.tasks is not None else (
+        None if args.tasks_file or args.dataset else DEFAULT_EVAL_TASKS)
     # everything that can be checked without the model is checked before loading it
     _, _, task_list, _ = check_inputs(args.controllers, args.budgets, tasks, args.lengths, args.n)
     for task in task_list:
         task_generator(task)
     if args.tasks_file is not None:
         read_tasks_file(args.tasks_file)
+    if args.dataset is not None:
+        from eval.datasets import load_samples
+
+        load_samples(args.dataset, split=args.dataset_split, limit=args.n)
+    if args.block_size < 1:
+        raise ValueError(f"--block-size {args.block_size}: must be a positive integer")
     loaded = models.load_model(args.model, device=args.device, dtype=args.dtype)
     rows = evaluate(loaded.model, loaded.tokenizer, args.controllers, args.budgets, tasks, args.lengths, args.n,
-                    args.seed, args.out, tasks_file=args.tasks_file, chat=not args.no_chat,
-                    host_blocks=args.host_blocks, prefill_chunk=args.prefill_chunk, decide_every=args.decide_every,
-                    model_name=args.model, plots=not args.no_plots)
+                    args.seed, args.out, tasks_file=args.tasks_file, dataset=args.dataset,
+                    dataset_split=args.dataset_split, chat=not args.no_chat, host_blocks=args.host_blocks,
+                    block_size=args.block_size, prefill_chunk=args.prefill_chunk, decide_every=args.decide_every,
+                    protocol=args.protocol, decode_budget=args.decode_budget, model_name=args.model,
+                    plots=not args.no_plots)
     failed = sorted({(r["task"], r["length"]) for r in rows if r["full_cache_failed"]})
     print((args.out / "summary.md").read_text())
     if failed:
@@ -236,11 +281,49 @@ def cmd_setup(args) -> int:
 
 
 def _prompt_ids(loaded, text: str, chat: bool) -> list[int]:
-    tokenizer = loaded.tokenizer
-    if chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False)
-    return tokenizer(text).input_ids
+    from eval.tasks.prompt import text_prompt
+
+    return text_prompt(loaded.tokenizer, text, chat).ids
+
+
+def read_prompt_file(path: Path) -> str:
+    """The UTF-8 text of ``--prompt-file``; a ``ValueError`` naming the file when it is a folder, missing,
+    unreadable or binary."""
+    accepted = "expected a UTF-8 text file"
+    if path.is_dir():
+        raise ValueError(f"--prompt-file {path}: is a folder; {accepted}")
+    if not path.is_file():
+        raise ValueError(f"--prompt-file {path}: no such file; {accepted}")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"--prompt-file {path}: cannot be read ({err.strerror}); {accepted}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {err.start} is 0x{data[err.start]:02x}); "
+                         f"{accepted}") from None
+    if "\x00" in text:
+        raise ValueError(f"--prompt-file {path}: holds NUL bytes, so it looks binary; {accepted}")
+    return text
+
+
+def _check_generate_args(args) -> str:
+    """Everything ``generate`` can check before loading the model; returns the prompt text."""
+    for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--block-size", args.block_size, 1),
+                               ("--prefill-chunk", args.prefill_chunk, 1), ("--decide-every", args.decide_every, 1),
+                               ("--host-blocks", args.host_blocks, 0), ("--disk-blocks", args.disk_blocks, 0)):
+        if value < least:
+            raise ValueError(f"{flag} {value}: must be {'a positive integer' if least else 'an integer >= 0'}")
+    if args.prompt is not None:
+        text, source = args.prompt, "--prompt"
+    elif args.prompt_file is not None:
+        text, source = read_prompt_file(args.prompt_file), f"--prompt-file {args.prompt_file}"
+    else:
+        text, source = bundled_prompt(), "the bundled prompt"
+    if not text.strip():
+        raise ValueError(f"{source}: the prompt is empty; give some text to continue or answer")
+    return text
 
 
 def cmd_generate(args) -> int:
@@ -252,14 +335,13 @@ def cmd_generate(args) -> int:
     from cache.paged_cache import CacheConfig
     from cache.runner import Runner
 
-    text = args.prompt if args.prompt is not None else (
-        args.prompt_file.read_text() if args.prompt_file else bundled_prompt())
+    text = _check_generate_args(args)
     controller = make_controller(args.controller) if args.controller else None
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     ids = _prompt_ids(loaded, text, chat=not args.no_chat)
     cache_config = CacheConfig(block_size=args.block_size, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks)
     runner = Runner(loaded.model, loaded.tokenizer, cache_config, controller=controller, budget=args.budget,
-                    prefill_chunk=args.prefill_chunk, decide_every=args.decide_every)
+                    prefill_chunk=args.prefill_chunk, decide_every=args.decide_every, protocol=args.protocol)
     result = runner.run(ids, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if result.cache is not None:
@@ -313,9 +395,23 @@ def cmd_bench(args) -> int:
         print(f"wrote {args.json}")
         return 0
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.bench == "eval":
+        from eval.benchmark import bench_eval
+
+        report = bench_eval(loaded.model, loaded.tokenizer, args.controllers, args.budgets, args.tasks, args.lengths,
+                            args.n, args.protocol, model_name=args.model,
+                            progress=lambda row: print(json.dumps(row), flush=True))
+        return _write_report(report, args)
     if args.bench == "ops":
         report = bench_ops(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts, budget=args.budget,
                            decode_steps=args.decode_steps, progress=lambda row: print(json.dumps(row), flush=True))
+        return _write_report(report, args)
+    if args.bench == "roofline":
+        from cache.benchmark import bench_roofline
+
+        report = bench_roofline(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts, budget=args.budget,
+                                decode_steps=args.decode_steps, bandwidth_mb=args.bandwidth_mb,
+                                progress=lambda row: print(json.dumps(row), flush=True))
         return _write_report(report, args)
     report = bench_cache(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts,
                          decode_steps=args.decode_steps, prefill_repeats=args.prefill_repeats, progress=lambda row: print(json.dumps(row), flush=True))
@@ -399,9 +495,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth,
                 "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "tensorboard": cmd_tensorboard}
+    from cache.models import ModelBuildError
+
     try:
         return handlers[args.command](args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, OSError, ModelBuildError) as err:  # bad input, files, a model that cannot be built
         print(f"kvgym {args.command}: error: {err}", file=sys.stderr)
         return 2
 

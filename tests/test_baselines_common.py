@@ -7,7 +7,7 @@ import torch
 from agents.registry import BASELINES, make_controller, parse_spec
 from cache.controller import CacheView, Op
 from cache.paged_cache import CacheConfig
-from cache.runner import Runner
+from cache.runner import Prompt, Runner
 from cache.tiers import Tier
 
 
@@ -18,6 +18,8 @@ class Checked:
         self.inner = inner
         self.calls = 0
         self.full_cache = getattr(inner, "full_cache", False)
+        if hasattr(inner, "layer_budgets"):  # the runner splits the budget with the controller's own schedule
+            self.layer_budgets = inner.layer_budgets
 
     def decide(self, view: CacheView):
         decisions = self.inner.decide(view)
@@ -51,7 +53,29 @@ def test_controller_meets_the_budget_itself_at_every_decision(tiny_model, name):
         return
     assert controller.calls > 0
     assert result.fallbacks == 0
-    assert max(result.blocks_per_tier["device"]) <= 5
+    assert sum(result.budget_blocks) <= 10  # a controller's own split (pyramidkv, spindlekv) spends the same total
+    assert all(device <= budget for device, budget in zip(result.blocks_per_tier["device"], result.budget_blocks,
+                                                          strict=True))
+
+
+@pytest.mark.parametrize("protocol", ["oneshot", "oneshot-question"])
+@pytest.mark.parametrize("name", BASELINES)
+def test_controller_meets_the_budget_in_the_one_shot_protocols(tiny_model, name, protocol):
+    """The compress decision (kvzip's reconstruction and expected_attention's prompt statistics included), then a
+    fixed budget while the question and the answer run."""
+    inner = make_controller(name)
+    if getattr(inner, "full_cache", False):
+        pytest.skip("the full cache makes no decisions")
+    if protocol not in getattr(inner, "protocols", (protocol,)):
+        pytest.skip(f"{name} does not run {protocol}")
+    controller = Checked(inner)
+    runner = Runner(tiny_model, controller=controller, budget=0.25, prefill_chunk=32, decide_every=3,
+                    cache_config=CacheConfig(host_blocks=64), protocol=protocol, decode_budget="fixed")
+    ids = torch.randint(2, 256, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    result = runner.run(Prompt(ids, context_end=170), max_new_tokens=20, stop_at_eos=False)
+    assert controller.calls > 0 and result.fallbacks == 0
+    assert all(device <= budget for device, budget in zip(result.blocks_per_tier["device"], result.budget_blocks,
+                                                          strict=True))
 
 
 def test_spec_parsing_and_errors():

@@ -58,7 +58,7 @@ def one_hot_mass(view, masses: dict[int, float]):
 def test_sentencekv_retrieves_the_best_matching_sentence_from_the_host(tiny_model):
     # 158 prompt tokens + 2 decode steps: blocks 0..9, all full; sentences {0,1} {2,3} {4,5} {6,7} {8,9}
     cache = filled(tiny_model, prompt=158, decode_steps=2, host_evicted=(4, 5, 6), sentence_ends=(31, 63, 95, 127))
-    view = CacheView.from_cache(cache, [6, 6])
+    view = CacheView.from_cache(cache, [6, 6], phase="decode")
     assert view.sentence_id.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert view.device_blocks().tolist() == [7, 7]  # 0 1 2 3 7 8 9; budget 6
     keys = basis(1).expand(2, 10, KV_HEADS, DIM).clone()
@@ -79,7 +79,7 @@ def test_sentencekv_retrieves_the_best_matching_sentence_from_the_host(tiny_mode
 
 def test_sentencekv_without_sentences_ranks_blocks_and_weights_queries_per_head(tiny_model):
     cache = filled(tiny_model, prompt=158, decode_steps=2, host_evicted=(4, 5, 6))  # no sentence ends
-    view = CacheView.from_cache(cache, [6, 6])
+    view = CacheView.from_cache(cache, [6, 6], phase="decode")
     keys = torch.zeros(2, 10, KV_HEADS, DIM)
     keys[:, 4, 0], keys[:, 5, 0], keys[:, 6, 0] = basis(0, 1.0), basis(0, 2.0), basis(0, 1.5)
     keys[:, 7, 1] = basis(2, 1.0)  # on KV head 1, which query heads 2 and 3 read (repeat_kv: h // group)
@@ -96,14 +96,14 @@ def test_sentencekv_without_sentences_ranks_blocks_and_weights_queries_per_head(
 def test_sentencekv_cold_start_keeps_the_device_set(tiny_model):
     # one decode query so far (<= length_threshold): the reference code attends everything it kept
     cache = filled(tiny_model, prompt=159, decode_steps=1, host_evicted=(4, 5, 6), sentence_ends=(31, 63, 95, 127))
-    view = CacheView.from_cache(cache, [6, 6])
+    view = CacheView.from_cache(cache, [6, 6], phase="decode")
     view.mean_key = basis(0).expand(2, 10, KV_HEADS, DIM).clone()
     view.sentence_query = basis(0).expand(2, HEADS, DIM).clone()
-    view.last_mass = one_hot_mass(view, {0: 4, 1: 1, 2: 3, 3: 0.5, 7: 2, 8: 1, 9: 1})
+    view.last_mass_heads[:] = one_hot_mass(view, {0: 4, 1: 1, 2: 3, 3: 0.5, 7: 2, 8: 1, 9: 1})[:, None]
     decisions = SentenceKV().decide(view)
     assert ops(decisions, Op.PREFETCH) == [] and ops(decisions, Op.EVICT) == [3]  # over budget by one: lowest mass
     cache.sentence_query_count = 0  # right after a sentence end: no sentence query at all
-    view = CacheView.from_cache(cache, [7, 7])
+    view = CacheView.from_cache(cache, [7, 7], phase="decode")
     assert view.sentence_query is None
     assert SentenceKV().decide(view) == []  # within budget: nothing moves
 
@@ -112,7 +112,7 @@ def test_sentencekv_prefill_prefilter_forgets_blocks_for_good(tiny_model):
     cache = filled(tiny_model, prompt=160)  # a prefill chunk: last_mass is the window's attention (64 queries)
     controller = SentenceKV(semantic_factor=1.0)  # the store keeps r * 6 = 6 blocks
     view = CacheView.from_cache(cache, [6, 6])
-    view.last_mass = torch.tensor([10, 10, 5, 1, 4, 0.5, 3, 2, 10, 10.0]).expand(2, 10).clone()
+    view.last_mass_heads[:] = torch.tensor([10, 10, 5, 1, 4, 0.5, 3, 2, 10, 10.0])
     decisions = controller.decide(view)
     # sink 0 1 and recent 8 9, then the window's top blocks 2 and 4; 3 5 6 7 leave the store (and the device)
     assert ops(decisions, Op.EVICT) == [3, 5, 6, 7] and ops(decisions, Op.PREFETCH) == []
@@ -122,7 +122,7 @@ def test_sentencekv_prefill_prefilter_forgets_blocks_for_good(tiny_model):
     with torch.no_grad():
         for _ in range(2):
             tiny_model(input_ids=torch.tensor([[5]]), cache=cache, use_cache=True)
-    view = CacheView.from_cache(cache, [6, 6])  # blocks 0..10; recent = 8 9 10; one slot left for retrieval
+    view = CacheView.from_cache(cache, [6, 6], phase="decode")  # blocks 0..10; recent 8 9 10; one slot left
     keys = torch.zeros(2, 11, KV_HEADS, DIM)
     keys[:, 3], keys[:, 4], keys[:, 2] = basis(0, 9.0), basis(0, 2.0), basis(0, 1.0)
     view.mean_key = keys
@@ -165,7 +165,7 @@ def test_quest_bound_from_the_cache_statistics_covers_the_real_keys(tiny_model):
 
 def test_quest_makes_the_device_set_the_pages_with_the_largest_bounds(tiny_model):
     cache = filled(tiny_model, host_evicted=(3, 4, 5))  # device 0 1 2 6 7 8 9
-    view = CacheView.from_cache(cache, [5, 5])
+    view = CacheView.from_cache(cache, [5, 5], phase="question")
     scale = torch.tensor([1, 1, 2, 3, 5, 1, 0.5, 4, 1, 0.0])  # pinned 0 and 9 stay whatever their bounds
     view.key_min = view.key_max = (scale[:, None, None] * basis(0)).expand(2, 10, KV_HEADS, DIM).clone()
     view.last_query = basis(0).expand(2, HEADS, DIM).clone()
@@ -180,7 +180,7 @@ def test_quest_makes_the_device_set_the_pages_with_the_largest_bounds(tiny_model
 
 def test_quest_combines_heads_by_max_or_sum(tiny_model):
     cache = filled(tiny_model)
-    view = CacheView.from_cache(cache, [3, 3])  # pinned 0 and 9 + one page
+    view = CacheView.from_cache(cache, [3, 3], phase="decode")  # pinned 0 and 9 + one page
     keys = torch.zeros(2, 10, KV_HEADS, DIM)
     keys[:, 3, 0] = basis(0, 5.0)  # one head sees a large bound on page 3
     keys[:, 6] = basis(1, 2.0)  # every head sees a moderate bound on page 6
@@ -198,7 +198,7 @@ def test_quest_combines_heads_by_max_or_sum(tiny_model):
 def test_quest_with_a_full_host_never_prefetches_dropped_pages(tiny_model):
     cache = filled(tiny_model, host_blocks=1, host_evicted=(3, 4))  # 3 -> host (now full), 4 -> dropped
     assert cache.tables.tier[0, [3, 4]].tolist() == [Tier.HOST, Tier.DROPPED]
-    view = CacheView.from_cache(cache, [7, 7])  # device 0 1 2 5 6 7 8 9: one over
+    view = CacheView.from_cache(cache, [7, 7], phase="decode")  # device 0 1 2 5 6 7 8 9: one over
     scale = torch.tensor([0, 0.1, 0.2, 8, 9, 5, 5, 5, 5, 0])
     view.key_min = view.key_max = (scale[:, None, None] * basis(0)).expand(2, 10, KV_HEADS, DIM).clone()
     view.last_query = basis(0).expand(2, HEADS, DIM).clone()

@@ -1,5 +1,5 @@
 """H2O, SnapKV and TOVA pin down their papers' rules on constructed views: a real cache from the tiny model,
-with chosen attention statistics written over the view's rows."""
+with chosen attention statistics written over the view's per-head rows (every head the same unless said)."""
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ def evicted(decisions, layer=0):
 # ------------------------------------------------------------------------------------------------ H2O
 def test_h2o_keeps_the_heaviest_blocks_and_the_recent_window(tiny_model):
     view = CacheView.from_cache(prefilled(tiny_model), [6, 6])  # blocks 0..9
-    view.acc_mass[0] = torch.tensor([50, 1, 9, 2, 8, 3, 0.5, 0.1, 0.2, 0.3])
+    view.acc_mass_heads[0] = torch.tensor([50, 1, 9, 2, 8, 3, 0.5, 0.1, 0.2, 0.3])
     # budget 6 split 50:50: recent window = blocks 7, 8, 9 (kept although lightest); heavy = sink 0 + the two
     # heaviest of 1..6 (2: 9, 4: 8)
     assert evicted(H2O().decide(view)) == [1, 3, 5, 6]
@@ -46,7 +46,7 @@ def test_h2o_keeps_the_heaviest_blocks_and_the_recent_window(tiny_model):
 def test_h2o_ratios_split_the_budget(tiny_model):
     assert [H2O().recent_window(b) for b in (2, 5, 6, 7)] == [1, 3, 3, 4]  # half up
     view = CacheView.from_cache(prefilled(tiny_model), [6, 6])
-    view.acc_mass[0] = torch.tensor([50, 1, 9, 2, 8, 3, 0.5, 0.1, 0.2, 0.3])
+    view.acc_mass_heads[0] = torch.tensor([50, 1, 9, 2, 8, 3, 0.5, 0.1, 0.2, 0.3])
     # 3:1 -> recent window of round(1.5) = 2 blocks (8, 9); heavy = sink + 3 heaviest of 1..7 (2, 4, 5)
     assert evicted(H2O(heavy_ratio=0.3, recent_ratio=0.1).decide(view)) == [1, 3, 6, 7]
     # no recent share: only the pinned newest block; heavy = sink + 4 heaviest of 1..8 (2, 4, 5, 3)
@@ -74,9 +74,9 @@ def snapkv_scenario(tiny_model):
     assert view.last_mass.sum(dim=1).tolist() == pytest.approx([64, 64], abs=1e-3)
     # layer 0: block 4 is weak (2) but borders the heavy block 5 (12); block 2 (3) is isolated.
     # Window masses are tiny (but keep the sum = 64 queries) so they would go if not protected.
-    view.last_mass[0] = torch.tensor([10, 0, 3, 0, 2, 12, 0.1, 0.2, 0.3, 36.4])
+    view.last_mass_heads[0] = torch.tensor([10, 0, 3, 0, 2, 12, 0.1, 0.2, 0.3, 36.4])
     # layer 1: the window's first block (6) is heavy; it must not lend its mass to block 5 (excluded from pooling)
-    view.last_mass[1] = torch.tensor([10, 0, 3, 0, 2, 0.5, 46.5, 1, 0.5, 0.5])
+    view.last_mass_heads[1] = torch.tensor([10, 0, 3, 0, 2, 0.5, 46.5, 1, 0.5, 0.5])
     return cache, view
 
 
@@ -92,7 +92,8 @@ def test_snapkv_pooling_rescues_a_neighbour_and_keeps_the_window(tiny_model):
 def test_snapkv_window_is_the_last_forward_queries(tiny_model):
     _, view = snapkv_scenario(tiny_model)
     # a 20-query forward: the window is the last 20 tokens = blocks 8, 9; budget 7 keeps 0, 8, 9 + top 4 of 1..7
-    view.last_mass[:] = torch.tensor([5, 0.1, 4, 0.2, 3, 0.3, 2, 0.4, 0.5, 4.5])
+    view.forward_queries = 20
+    view.last_mass_heads[:] = torch.tensor([5, 0.1, 4, 0.2, 3, 0.3, 2, 0.4, 0.5, 4.5])
     assert evicted(SnapKV(kernel_size=1).decide(view)) == [1, 3, 5]
     # through the runner: 160 tokens in chunks of 64, 64, 32; the last chunk's 32 queries = blocks 8, 9 survive
     # whatever their mass, as well as the sink; budget 4 leaves one prefix block
@@ -109,14 +110,14 @@ def test_snapkv_decodes_by_prefill_scores_then_oldest_generated(tiny_model):
     cache, view = snapkv_scenario(tiny_model)
     apply_decisions(cache, controller.decide(view))  # prefill: layer 0 keeps 0, 4, 5, 6..9; layer 1 keeps 0, 1, 2
     decode_one(tiny_model, cache)  # position 160 opens block 10: one block over budget
-    view = CacheView.from_cache(cache, [7, 7])
+    view = CacheView.from_cache(cache, [7, 7], phase="decode")
     assert view.last_mass.sum(dim=1).tolist() == pytest.approx([1, 1], abs=1e-4)
-    view.last_mass[0] = torch.tensor([0.5, 0, 0, 0, 0.4, 0.01, 0.01, 0.01, 0.01, 0.01, 0.05])  # ignored in decode
+    view.last_mass_heads[0] = torch.tensor([0.5, 0, 0, 0, 0.4, 0.01, 0.01, 0.01, 0.01, 0.01, 0.05])  # ignored
     # the lowest prefill score among prompt blocks goes first, whatever the current query says
     assert evicted(controller.decide(view)) == [4]
     assert evicted(controller.decide(view), layer=1) == [1]
     # past the prompt blocks, the window and generated blocks go oldest first (a tighter budget shows it)
-    tight = CacheView.from_cache(cache, [5, 5])
+    tight = CacheView.from_cache(cache, [5, 5], phase="decode")
     assert evicted(controller.decide(tight)) == [4, 5, 6]
     assert evicted(controller.decide(tight), layer=1) == [1, 2, 6]
 
@@ -127,7 +128,7 @@ def test_snapkv_resets_on_a_new_run(tiny_model):
     controller.decide(view)
     cache = prefilled(tiny_model, tokens=80)  # a new, shorter run: blocks 0..4, then block 5 by decoding
     decode_one(tiny_model, cache)
-    view = CacheView.from_cache(cache, [4, 4])
+    view = CacheView.from_cache(cache, [4, 4], phase="decode")
     # no prefill scores of this run were seen: all blocks count as window/generated -> oldest first
     # (the stale scores of the first run would have picked 3 and 1)
     assert evicted(controller.decide(view)) == [1, 2]
@@ -137,14 +138,14 @@ def test_snapkv_resets_on_a_new_run(tiny_model):
 def test_tova_evicts_the_lowest_current_query_blocks(tiny_model):
     cache = prefilled(tiny_model)
     view = CacheView.from_cache(cache, [5, 5])
-    view.last_mass[0] = torch.tensor([5, 0.2, 3, 0.1, 4, 0.3, 2, 0.4, 1, 0.05])
-    view.acc_mass[0] = torch.tensor([5, 9, 1, 8, 2, 7, 3, 6, 4, 5.0])  # opposite order: TOVA ignores it
+    view.last_query_heads[0] = torch.tensor([5, 0.2, 3, 0.1, 4, 0.3, 2, 0.4, 1, 0.05])
+    view.acc_mass_heads[0] = torch.tensor([5, 9, 1, 8, 2, 7, 3, 6, 4, 5.0])  # opposite order: TOVA ignores it
     # 5 of 1..8 go; the newest block 9 is pinned although it scores lowest
     assert evicted(TOVA().decide(view)) == [1, 3, 5, 7, 8]
     # negative check: H2O ranks by accumulated attention and keeps the recent window 7..9
     assert evicted(H2O().decide(view)) == [2, 3, 4, 5, 6]
     # in a decode step the view's last_mass is that step's query alone
     decode_one(tiny_model, cache)
-    view = CacheView.from_cache(cache, [5, 5])
+    view = CacheView.from_cache(cache, [5, 5], phase="decode")
     order = torch.argsort(torch.where(view.pinned[1], float("inf"), view.last_mass[1]), stable=True)
     assert evicted(TOVA().decide(view), layer=1) == sorted(order[:6].tolist())

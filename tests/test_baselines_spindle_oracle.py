@@ -1,12 +1,11 @@
-"""SpindleKV and the oracle pin down their rules on constructed views; the oracle beats LRU / StreamingLLM on a
-teacher-forced tiny-model run."""
+"""The oracle pins down its rule on constructed views and beats LRU / StreamingLLM on a teacher-forced tiny-model
+run (SpindleKV's rules are in ``test_baselines_paper_rules.py``)."""
 
 import pytest
 import torch
 
 from agents.baselines.lru import LRU
 from agents.baselines.oracle import AttentionTrace, Oracle, TraceRecorder
-from agents.baselines.spindlekv import SpindleKV, pyramid_budgets
 from agents.baselines.streaming_llm import StreamingLLM
 from cache.controller import CacheView, Op, apply_decisions
 from cache.paged_cache import CacheConfig, PagedKVCache
@@ -14,85 +13,19 @@ from cache.runner import Runner
 from cache.tiers import Tier
 from tests.conftest import make_tiny_llama
 
-# seen = 160: blocks 0..9 (block b starts at 16 b, so 160 − 16 b queries could see it); 0 and 9 are pinned,
-# SpindleKV's 64-token window covers blocks 6..9
-QUERIES = torch.tensor([160.0, 144, 128, 112, 96, 80, 64, 48, 32, 16])
-
 
 @torch.no_grad()
-def view_of(model, budget, duplicates=False):
-    """A 160-token prefill. With ``duplicates``, on both layers: block 4's keys = block 2's (cosine 1), block 1's
-    = block 8's + small noise (≈ 0.99), block 3's = block 7's + half block 5's (≈ 0.93)."""
+def view_of(model, budget):
+    """A 160-token prefill (blocks 0..9)."""
     cache = PagedKVCache(model.config, CacheConfig())
     model(input_ids=torch.randint(2, 256, (1, 160), generator=torch.Generator().manual_seed(1)), cache=cache,
           use_cache=True)
-    if duplicates:
-        for layer in range(cache.num_layers):
-            keys, physical = cache.device_pool(layer).keys, cache.tables.physical[layer]
-            keys[physical[4]] = keys[physical[2]]
-            noise = torch.randn(keys[physical[8]].shape, generator=torch.Generator().manual_seed(2))
-            keys[physical[1]] = keys[physical[8]] + 0.02 * noise
-            keys[physical[3]] = keys[physical[7]] + 0.5 * keys[physical[5]]
-            cache.summarize_keys(layer, torch.arange(10))
     return cache, CacheView.from_cache(cache, budget)
 
 
 def blocks(decisions, op, layer=0, ordered=False):
     out = [d.block for d in decisions if d.layer == layer and d.op == op]
     return out if ordered else sorted(out)
-
-
-def set_mass(view, layer, normalised):
-    """``acc_mass`` of blocks 1..5 from their normalised scores; the window blocks 6..8 get none."""
-    view.acc_mass[layer] = 0.0
-    view.acc_mass[layer, 1:6] = torch.tensor(normalised) * QUERIES[1:6]
-
-
-def test_spindlekv_merges_similar_blocks_in_shallow_layers_and_evicts_by_normalised_mass(tiny_model):
-    cache, view = view_of(tiny_model, [6, 6], duplicates=True)
-    similarity = view.neighbour_similarity
-    assert similarity[0, 2] > 0.999 and 0.98 < similarity[0, 1] < 0.999 and 0.9 < similarity[0, 3] < 0.98
-    assert similarity[0, 5] < 0.9  # block 5 has no similar neighbour
-    # layer 0 (shallow): raw mass would evict 4 and 5 (9.0, 9.6); normalised: 4 (0.094) and 3 (0.1)
-    set_mass(view, 0, [0.2, 0.25, 0.1, 9.0 / 96, 0.12])
-    # layer 1 (deep): normalised keeps block 5 (0.3); raw mass would keep block 1 (28.8 > 24)
-    set_mass(view, 1, [0.2, 0.05, 0.15, 0.1, 0.3])
-    decisions = SpindleKV().decide(view)
-    # 2 ≡ 4 first (oldest of the tie); 4 then has no similar neighbour left; 1 ≈ 8 next; 3 (0.93) is below θ_K
-    assert blocks(decisions, Op.MERGE, ordered=True) == [2, 1]
-    assert blocks(decisions, Op.EVICT) == [3, 4]
-    assert blocks(decisions, Op.MERGE, layer=1) == []  # the deep layer never merges, duplicates or not
-    assert blocks(decisions, Op.EVICT, layer=1) == [1, 2, 3, 4]  # window blocks 6..8 kept despite no mass
-    # a lower threshold lets block 3 (≈ 0.93 with block 7) merge too; one eviction is left
-    loose = SpindleKV(key_threshold=0.9).decide(view)
-    assert blocks(loose, Op.MERGE, ordered=True) == [2, 1, 3] and blocks(loose, Op.EVICT) == [4]
-    # the merges are accepted by the cache and the budget is met
-    apply_decisions(cache, decisions)
-    assert cache.blocks_per_tier()["device"] == [6, 6]
-    assert cache.blocks_per_tier()["dropped"] == [4, 4]
-
-
-def test_pyramid_budgets_interpolate_linearly_and_never_exceed_the_view():
-    # mean 8, β 20: 15.6, 10.53, 5.47, 0.4 → clipped to 8, floored to whole blocks and to the 2 pinned blocks
-    assert pyramid_budgets([8] * 4, beta=20.0, floors=[2] * 4) == [8, 8, 5, 2]
-    # mean 8, β 2: 12, 8, 4; each layer keeps at most its own budget
-    assert pyramid_budgets([4, 8, 12], beta=2.0) == [4, 8, 4]
-    assert pyramid_budgets([7], beta=20.0, floors=[2]) == [7]  # a single deep layer keeps its budget
-
-
-def test_spindlekv_deep_layers_evict_by_score_within_the_pyramid(tiny_model):
-    _, view = view_of(tiny_model, [6, 6], duplicates=True)
-    set_mass(view, 0, [0.2, 0.25, 0.1, 9.0 / 96, 0.12])
-    set_mass(view, 1, [0.2, 0.05, 0.15, 0.1, 0.3])
-    controller = SpindleKV(shallow_fraction=0.0, beta=2.0)  # both layers deep: pyramid 9, 3 → 6, 3
-    assert controller.layer_budgets(view) == [6, 3]
-    assert SpindleKV().layer_budgets(view) == [6, 6]  # default: layer 0 shallow, one deep layer
-    assert SpindleKV(shallow_fraction=0.0).layer_budgets(view) == [6, 2]  # β 20: 11.7, 0.3 → 6, pinned 2
-    decisions = controller.decide(view)
-    assert [d for d in decisions if d.op == Op.MERGE] == []
-    assert blocks(decisions, Op.EVICT) == [1, 3, 4, 5]  # keeps block 2 (0.25)
-    # layer 1 keeps 3 blocks: the pinned 0 and 9, then the window is cut oldest first, keeping block 8
-    assert blocks(decisions, Op.EVICT, layer=1) == [1, 2, 3, 4, 5, 6, 7]
 
 
 def hand_trace(seen):
@@ -128,9 +61,10 @@ def test_oracle_from_run_records_every_forward_and_drives_a_budgeted_run(tiny_mo
     ids = torch.randint(2, 256, (1, 100), generator=torch.Generator().manual_seed(3))
     oracle = Oracle.from_run(tiny_model, ids, max_new_tokens=12, prefill_chunk=32)
     trace = oracle.trace
-    assert trace.seen.tolist() == [32, 64, 96, 100] + list(range(101, 112))
+    # the last prompt token is fed on its own, after the question's decision point
+    assert trace.seen.tolist() == [32, 64, 96, 99, 100] + list(range(101, 112))
     # every query of every forward is recorded (stats_window raised to the chunk): mass per forward = queries
-    queries = torch.tensor([32.0, 32, 32, 4] + [1.0] * 11)
+    queries = torch.tensor([32.0, 32, 32, 3, 1] + [1.0] * 11)
     assert torch.allclose(trace.mass.sum(dim=2), queries[:, None].expand(-1, 2), atol=1e-4)
     full = Runner(tiny_model, prefill_chunk=32).run(ids, max_new_tokens=12)
     assert trace.tokens == full.new_tokens  # the full cache's greedy continuation

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from cache.benchmark import bench_cache, bench_ops
+from cache.benchmark import bench_cache, bench_ops, bench_roofline, weight_bytes_per_token
 
 
 class ByteTokenizer:
@@ -34,5 +34,33 @@ def test_bench_ops_reports_every_operation_and_decode_ratio(tiny_model):
     for key in ("evict_to_host_ms", "prefetch_from_host_ms", "evict_to_disk_ms", "prefetch_from_disk_ms",
                 "merge_ms", "decode_step_ms", "view_ms", "view_share_of_decode_step"):
         assert operations[key] >= 0, key
+    assert operations["merge_one_call_per_layer_ms"] >= 0
     (decode,) = report["decode"]
     assert decode["context"] == 256 and decode["budget_blocks_per_layer"] == 4
+    assert set(decode["mean_ms"]) == {"full", "budgeted", "budgeted_merge"} and decode["merge_ms"] >= 0
+    assert abs(decode["merge_vs_evict_mean"] - decode["mean_ms"]["budgeted_merge"] / decode["mean_ms"]["budgeted"]) < 0.01
+
+
+def test_weight_bytes_count_tied_weights_once_and_one_row_of_an_untied_embedding(tiny_model):
+    params = sum(p.numel() * 4 for p in tiny_model.parameters())
+    embedding = tiny_model.get_input_embeddings().weight
+    tied = tiny_model.get_output_embeddings().weight is embedding
+    expected = params if tied else params - (embedding.shape[0] - 1) * embedding.shape[1] * 4
+    assert weight_bytes_per_token(tiny_model) == expected
+
+
+def test_bench_roofline_reports_the_floor_from_weights_and_the_kv_actually_read(tiny_model):
+    report = bench_roofline(tiny_model, ByteTokenizer(), TEXT, [128, 256], budget=0.25, decode_steps=3, bandwidth_mb=8)
+    assert [b["context"] for b in report["bandwidth"]] == [128, 256]
+    assert all(b["before"]["read_gbps"] > 0 and b["after"]["copy_gbps"] > 0 for b in report["bandwidth"])
+    rows = {(row["context"], row["cache"]): row for row in report["rows"]}
+    assert set(rows) == {(c, k) for c in (128, 256) for k in ("full", "budgeted")}
+    kv_per_token = 2 * 2 * 16 * 4 * 2  # K+V, 2 KV heads, head_dim 16, fp32, 2 layers
+    for (context, kind), row in rows.items():
+        resident = context + 2 if kind == "full" else row["budget_blocks_per_layer"] * 16  # tokens attended
+        assert abs(row["kv_bytes"] - resident * kv_per_token) <= 16 * kv_per_token
+        assert row["floor_bytes"] == row["weight_bytes"] + row["kv_bytes"]
+        expected_ms = 1000 * row["floor_bytes"] / (row["read_gbps"] * 1e9)
+        assert abs(row["floor_ms"] - expected_ms) <= 0.01 + 0.01 * expected_ms
+        assert row["roofline_fraction"] > 0
+    assert rows[(256, "budgeted")]["kv_bytes"] < rows[(256, "full")]["kv_bytes"]

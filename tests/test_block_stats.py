@@ -95,3 +95,44 @@ def test_bytes_read_per_attention_call(tiny_model):
     assert cache.last_bytes_read == [(44 - 16) * per_token, 44 * per_token]
     assert cache.bytes_read[1] == (40 + 41 + 42 + 43 + 44) * per_token
     assert cache.attention_calls == [5, 5]
+
+
+@torch.no_grad()
+def eager_attentions(ids):
+    model = make_tiny_llama()
+    model.set_attn_implementation("eager")
+    out = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True, output_attentions=True)
+    return [weights[0] for weights in out.attentions]  # per layer [heads, q, kv]
+
+
+@torch.no_grad()
+def test_per_head_last_query_max_and_observer_statistics_match_eager_weights(tiny_model):
+    """Per-head mass (and its max over heads), the last query's mass (TOVA), the per-query max (KVzip) and
+    the observer counts (ObservedAttention) against eager attention weights; the negative control: the last
+    query's mass is not the window's."""
+    from cache.controller import CacheView
+
+    ids = torch.randint(2, 256, (1, 56), generator=torch.Generator().manual_seed(7))
+    window = 20
+    cache = PagedKVCache(tiny_model.config, CacheConfig(block_size=BLOCK, stats_window=window, track_query_max=True))
+    tiny_model(input_ids=ids, cache=cache, use_cache=True)
+    view = CacheView.from_cache(cache, [4, 4])
+    n = view.num_blocks
+    block_of = torch.arange(56) // BLOCK
+    for layer, weights in enumerate(eager_attentions(ids)):
+        rows = weights[:, -window:]  # [heads, window, kv]
+        per_query_block = torch.zeros(rows.shape[0], window, n).index_add_(2, block_of, rows)
+        per_head = per_query_block.sum(dim=1)
+        assert torch.allclose(view.acc_mass_heads[layer], per_head, atol=1e-5)
+        assert torch.allclose(view.mass("acc", "max")[layer], per_head.amax(dim=0), atol=1e-5)
+        assert torch.allclose(view.mass("acc", "mean")[layer], view.acc_mass[layer], atol=1e-6)
+        last = per_query_block[:, -1]
+        assert torch.allclose(view.mass("last_query", "mean")[layer], last.mean(dim=0), atol=1e-5)
+        assert not torch.allclose(view.mass("last_query", "mean")[layer], per_head.mean(dim=0), atol=1e-3)
+        assert torch.allclose(view.mass("query_max", "max")[layer], per_query_block.amax(dim=(0, 1)), atol=1e-5)
+    # token t is seen by the window queries at positions >= t: min(window, 56 - t) of them
+    counts = torch.clamp(56 - torch.arange(56), max=window).float()
+    expected = torch.zeros(n).index_add_(0, block_of, counts)
+    assert torch.allclose(cache.stats.observers[0, :n], expected)
+    assert torch.allclose(view.observed_mass[0], view.acc_mass[0] / (expected / view.num_tokens[0]).clamp(min=1))
+    assert view.window_queries[0].shape == (4, window, 16)

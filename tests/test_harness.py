@@ -14,7 +14,7 @@ from eval.harness import evaluate, length_bucket, read_tasks_file, sample_seed, 
 from eval.report import SUMMARY_COLUMNS
 from eval.tasks.base import Sample, register_task
 
-HEADER = ("controller,budget,task,length,n,accuracy,rel_accuracy,kl,bytes_read_per_token,"
+HEADER = ("controller,budget,task,length,n,accuracy,ci_low,ci_high,rel_accuracy,turn_accuracy,kl,bytes_read_per_token,"
           "bytes_moved_per_token,decode_ms_per_token,ttft_ms")
 
 
@@ -90,8 +90,9 @@ def counted_runs(monkeypatch):
 
 
 def _evaluate(model, out, **kwargs):
+    # the budget is a fraction of the context: blocks of 8 tokens leave room above the 2 pinned blocks at 64
     settings = dict(controllers=["lru", "oracle", "full"], budgets=[0.25, 0.5], tasks=["fake_key", "fake_text"],
-                    lengths=[64, 128], n=2, seed=0, chat=False, progress=False)
+                    lengths=[64, 128], n=2, seed=0, chat=False, progress=False, block_size=8)
     settings.update(kwargs)
     return evaluate(model, ByteTokenizer(), out_dir=out, **settings)
 

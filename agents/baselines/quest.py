@@ -29,26 +29,34 @@ def page_bounds(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tenso
 @dataclass
 class Quest:
     """Quest as an offloading controller: every page (= one 16-token block, the paper's ``page_size``) is kept,
-    and the device holds exactly the pages Quest would read for the latest query.
+    and the device holds the pages Quest would read for the latest query.
 
-    Rules, per layer, at every decision point, with the device budget ``budget_blocks[layer]`` pages:
+    Rules, per layer, with the device budget ``budget_blocks[layer]`` pages, by decision point (``view.phase``):
 
-    - Page score: ``U(page) = Σ_c max(q_c·M_c, q_c·m_c)`` from ``last_query`` and the page's channel-wise
-      ``key_max``/``key_min`` (post-RoPE), per query head against the KV head its group reads (``repeat_kv``, as
-      in the reference code), then combined over query heads by ``head_reduction``: ``max`` (default: a page
-      critical to any head counts, the nearest single ranking to the paper's per-head top-K, whose union is what
-      a shared page set must hold) or ``sum``.
-    - Selection: the cache's pinned blocks (the newest page, which the Quest kernel always reads, and the sink
-      block 0, which the cache pins) then the pages with the largest ``U`` until the budget is full (the paper's
-      top-``token_budget / page_size``); ties go to the older page.
-    - Offloading: the device set is made equal to the selection: selected host/disk pages are prefetched,
-      unselected device pages are evicted. Quest never drops: evictions go to the host (then disk) tier, so give
-      the cache ``CacheConfig(host_blocks=...)`` enough room; if every tier is full the cache drops the page,
-      and dropped pages are never selected again.
-    - Dense layers: the paper runs layers 0 and 1 dense (and the prefill dense). Here every layer must meet its
-      budget, so all layers, and the prefill decision points (with the chunk's last query), use the same rule;
-      to reproduce the dense layers give them a full budget with a per-layer budget list, with which the
-      selection keeps every page.
+    - ``prefill`` (streaming): the paper's prefill is dense, with no selection. The budget must hold while the
+      prompt streams in, so the device keeps the newest pages and the oldest are offloaded to the host (then
+      disk) tier, as dense as the budget allows; no page is chosen by a query yet, none is prefetched.
+    - ``compress`` (one-shot), ``question`` (streaming: the question has been read) and ``decode``: selection.
+      Page score ``U(page) = Σ_c max(q_c·M_c, q_c·m_c)`` from ``last_query`` (at ``question`` and ``compress`` the
+      last prompt query read, i.e. the question's in ``oneshot-question`` and streaming; in decoding the
+      current one) and the page's channel-wise ``key_max``/``key_min`` (post-RoPE), per query head against the KV
+      head its group reads (``repeat_kv``, as in the reference code), then combined over query heads by
+      ``head_reduction``: ``max`` (default: a page critical to any head counts, the nearest single ranking to
+      the paper's per-head top-K, whose union is what a shared page set must hold) or ``sum``. The device
+      then holds the cache's pinned blocks (the newest page, which the Quest kernel always reads, and the
+      sink block 0) and the pages with the largest ``U`` until the budget is full (the paper's
+      top-``token_budget / page_size``; ties to the older page): selected host/disk pages are prefetched,
+      unselected device pages are offloaded. In the one-shot protocols with a growing cache ``compress`` is the
+      only decision, so the selection is made once, with the last prompt query.
+    - Offloading: Quest never drops; evictions go to the host (then disk) tier, so give the cache
+      ``CacheConfig(host_blocks=...)`` enough room; if every tier is full the cache drops the page, and dropped
+      pages are never selected again.
+
+    Deviations: the paper runs layers 0 and 1 dense; here every layer must meet its budget, so all layers
+    select (a per-layer budget list with a full budget for them reproduces the dense layers). The paper selects
+    per query head; the cache keeps one page set per layer (per-KV-head selection is out of scope), hence
+    ``head_reduction``. The paper selects at every decode step; here at each decision point
+    (``decide_every`` steps, or when a new page takes a layer over budget).
 
     Parameters
     ----------
@@ -62,6 +70,8 @@ class Quest:
         assert self.head_reduction in ("max", "sum"), f"head_reduction must be 'max' or 'sum', got {self.head_reduction!r}"
 
     def decide(self, view: CacheView) -> list[Decision]:
+        if view.phase == "prefill":
+            return self._keep_newest(view)
         if view.last_query is None or view.key_max is None:
             return []
         bounds = page_bounds(view.last_query, view.key_min, view.key_max)  # [L, N, heads]
@@ -71,4 +81,13 @@ class Quest:
             pages = torch.nonzero(view.tier[layer] != Tier.DROPPED).flatten()
             ranked = pages[torch.sort(-scores[layer, pages], stable=True).indices]
             decisions += make_resident(view, layer, ranked)
+        return decisions
+
+    @staticmethod
+    def _keep_newest(view: CacheView) -> list[Decision]:
+        """The dense-as-possible prefill: each layer keeps its newest device pages, the oldest are offloaded."""
+        decisions = []
+        for layer in range(view.num_layers):
+            newest_first = torch.nonzero(view.tier[layer] == Tier.DEVICE).flatten().flip(0)
+            decisions += make_resident(view, layer, newest_first)
         return decisions

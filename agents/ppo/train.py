@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import pickle
 import platform
 import re
 import subprocess
@@ -58,6 +60,9 @@ DEFAULTS: dict = {
 
 
 # ---------------------------------------------------------------------- config
+NULLABLE = {"traces.dir", "imitation.teacher", "ppo.target_kl"}  # keys that also take null
+
+
 def _merge(base: dict, update: dict, where: str = "") -> dict:
     merged = copy.deepcopy(base)
     for key, value in update.items():
@@ -67,21 +72,62 @@ def _merge(base: dict, update: dict, where: str = "") -> dict:
         if isinstance(base[key], dict):
             if not isinstance(value, dict):
                 raise ValueError(f"config key {name!r} must be a mapping (keys {sorted(base[key])}), got {value!r}")
-            merged[key] = _merge(base[key], value, f"{name}.")
+            merged[key] = _merge(base[key], value, f"{where}{key}.")
+        elif value is None and name in NULLABLE:
+            merged[key] = None
         else:
-            merged[key] = _number_like(base[key], value, name)
+            merged[key] = _like(DEFAULTS_BY_KEY.get(name, base[key]), value, name)
     return merged
 
 
-def _number_like(default, value, name: str):
-    """YAML reads ``1e-4`` as a string; where the default is a number, accept it as one (or say what is wrong)."""
-    if isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(value, str):
+def _like(default, value, name: str):
+    """``value`` for the key ``name`` whose default is ``default``, checked to be of the same kind: a number where
+    the default is one (YAML reads ``1e-4`` as a string: accepted as a number), an integer where it is an
+    integer, a list of the same kind of items, text. A ``ValueError`` naming the key, the value and the
+    accepted type otherwise."""
+    def refuse(kind: str):
+        return ValueError(f"config key {name!r} must be {kind}, got {value!r}")
+
+    if isinstance(default, list):
+        if not isinstance(value, list):
+            raise refuse(f"a list like {default!r}")
+        return [_like(default[0], item, f"{name}[{i}]") for i, item in enumerate(value)] if default else value
+    if default is None or isinstance(default, str):
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise refuse("text" + (" or null" if name in NULLABLE else ""))
+        return str(value)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise refuse("true or false")
+        return value
+    number = value
+    if isinstance(value, str):
         try:
             number = float(value)
         except ValueError:
-            raise ValueError(f"config key {name!r} must be a number, got {value!r}") from None
-        return int(number) if isinstance(default, int) and number.is_integer() else number
-    return value
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+        raise refuse(("an integer" if isinstance(default, int) else "a number")
+                     + (" or null" if name in NULLABLE else ""))
+    if isinstance(default, int):
+        if not float(number).is_integer():
+            raise refuse("an integer")
+        return int(number)
+    return float(number)
+
+
+def _flatten(config: dict, where: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{where}{key}."))
+        else:
+            flat[f"{where}{key}"] = value
+    return flat
+
+
+# the type of each key comes from DEFAULTS, whatever an earlier layer (the YAML file) set it to
+DEFAULTS_BY_KEY = _flatten(DEFAULTS)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> dict:
@@ -115,11 +161,41 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
 
 
 def _check(config: dict) -> None:
+    """Values the types alone do not rule out; everything here fails before a run folder exists."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(config["name"])):
         raise ValueError(f"name {config['name']!r}: use letters, digits, '_', '-', '.' (it names runs/<name>/)")
-    for key in ("total_timesteps", "n_envs", "checkpoint_every"):
-        if not isinstance(config[key], int) or config[key] < 1:
-            raise ValueError(f"{key} must be a positive integer, got {config[key]!r}")
+    flat = _flatten(config)
+    for key in ("total_timesteps", "n_envs", "checkpoint_every", "traces.n", "env.num_candidates",
+                "env.prefill_chunk", "env.decide_every", "env.max_episode_steps", "policy.hidden", "ppo.n_steps",
+                "ppo.batch_size", "ppo.n_epochs", "eval.episodes", "imitation.steps", "imitation.epochs",
+                "imitation.batch_size"):
+        if flat[key] < 1:
+            raise ValueError(f"{key} must be a positive integer, got {flat[key]!r}")
+    for key in ("eval.every", "live_finetune_timesteps"):
+        if flat[key] < 0:
+            raise ValueError(f"{key} must be an integer >= 0, got {flat[key]!r}")
+    for key in ("ppo.learning_rate", "imitation.learning_rate"):
+        if flat[key] <= 0:
+            raise ValueError(f"{key} must be a positive number, got {flat[key]!r}")
+    if not 0 < flat["ppo.gamma"] <= 1:
+        raise ValueError(f"ppo.gamma must be in (0, 1], got {flat['ppo.gamma']!r}")
+    for key in ("env.budget_range", "eval.budget_range"):
+        value = flat[key]
+        if len(value) != 2 or not 0 < value[0] <= value[1] <= 1:
+            raise ValueError(f"{key} must be [low, high] with 0 < low <= high <= 1, got {value!r}")
+    for key in ("traces.lengths", "eval.lengths"):
+        if not flat[key] or min(flat[key]) < 1:
+            raise ValueError(f"{key} must be a non-empty list of positive integers, got {flat[key]!r}")
+    from eval.tasks.base import get_task
+
+    for key in ("traces.tasks", "eval.tasks"):
+        if not flat[key]:
+            raise ValueError(f"{key} must name at least one task")
+        for task in flat[key]:
+            try:
+                get_task(task)
+            except ValueError as err:
+                raise ValueError(f"{key}: {err}") from None
     ppo = config["ppo"]
     if (ppo["n_steps"] * config["n_envs"]) % ppo["batch_size"]:
         raise ValueError(f"ppo.batch_size {ppo['batch_size']} must divide ppo.n_steps × n_envs = "
@@ -127,6 +203,19 @@ def _check(config: dict) -> None:
     for key in config["normalize"]["norm_obs_keys"]:
         if key not in ("layer_pressure", "tier_occupancy", "globals", "blocks"):
             raise ValueError(f"normalize.norm_obs_keys: {key!r} is not an observation key")
+    from agents.registry import make_controller
+    from kvgym.envs.replay import make_policy
+
+    for name in config["eval"]["baselines"]:
+        try:
+            make_controller(name)
+        except ValueError as err:
+            raise ValueError(f"eval.baselines: {err}") from None
+    if config["imitation"]["teacher"]:
+        try:
+            make_policy(config["imitation"]["teacher"])
+        except ValueError as err:
+            raise ValueError(f"imitation.teacher: {err}") from None
 
 
 def git_commit() -> str | None:
@@ -323,51 +412,87 @@ def baseline_accuracy(config: dict, model, tokenizer, run_dir: Path) -> dict[str
 
 
 # ---------------------------------------------------------------------- checkpoints
-def latest_checkpoint(run_dir: Path):
-    """``(model_zip, vecnormalize_pkl, steps)`` of the newest complete checkpoint, or None."""
+def _checkpoint_pairs(run_dir: Path) -> list[tuple[int, Path, Path]]:
+    """``(steps, model_zip, vecnormalize_pkl)`` of every checkpoint with both files, newest first."""
     pairs = []
     for path in (run_dir / "checkpoints").glob("ppo_*_steps.zip"):
         match = re.fullmatch(r"ppo_(\d+)_steps\.zip", path.name)
         stats = path.with_name(f"ppo_vecnormalize_{match.group(1)}_steps.pkl") if match else None
         if match and stats.is_file():
             pairs.append((int(match.group(1)), path, stats))
-    for steps, path, stats in sorted(pairs, reverse=True):
-        try:  # a kill during a save leaves a truncated zip: fall back to the one before
-            with zipfile.ZipFile(path) as archive:
-                if archive.testzip() is None and "policy.pth" in archive.namelist():
-                    return path, stats, steps
-        except (zipfile.BadZipFile, OSError):
-            pass
-        print(f"skipping unreadable checkpoint {path}")
+    return sorted(pairs, reverse=True)
+
+
+def _checkpoint_problem(path: Path, stats: Path) -> str | None:
+    """Why a checkpoint pair cannot be loaded, as far as reading its files tells (``None``: both read)."""
+    try:  # a kill during a save leaves a truncated zip or pickle
+        with zipfile.ZipFile(path) as archive:
+            if archive.testzip() is not None or "policy.pth" not in archive.namelist():
+                return f"{path.name}: incomplete model archive"
+    except (zipfile.BadZipFile, OSError) as err:
+        return f"{path.name}: {err}"
+    try:
+        with open(stats, "rb") as f:
+            pickle.load(f)
+    except Exception as err:  # a damaged pickle raises anything: EOFError, UnpicklingError, ValueError, ...
+        return f"{stats.name}: unreadable statistics ({type(err).__name__}: {err})"
+    return None
+
+
+def latest_checkpoint(run_dir: Path):
+    """``(model_zip, vecnormalize_pkl, steps)`` of the newest checkpoint whose model archive and normalisation
+    statistics both read, or None."""
+    for steps, path, stats in _checkpoint_pairs(run_dir):
+        problem = _checkpoint_problem(path, stats)
+        if problem is None:
+            return path, stats, steps
+        print(f"skipping checkpoint {steps}: {problem}")
+    return None
+
+
+def _load_checkpoint(run_dir: Path, raw):
+    """``(checkpoint, venv, agent)`` from the newest checkpoint whose statistics and model both load (a damaged
+    one is skipped, with a message), or None when the run has no checkpoint; a ``ValueError`` listing why each
+    failed when there are checkpoints but none loads."""
+    from sb3_contrib import MaskablePPO
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    failures = []
+    for steps, path, stats in _checkpoint_pairs(run_dir):
+        problem = _checkpoint_problem(path, stats)
+        if problem is None:
+            try:
+                venv = VecNormalize.load(str(stats), raw)
+                agent = MaskablePPO.load(str(path), env=venv, device="cpu")
+                return (path, stats, steps), venv, agent
+            except Exception as err:  # reported below; never a silent fresh start
+                problem = f"{type(err).__name__}: {err}"
+        print(f"--resume: skipping checkpoint {steps} ({problem})")
+        failures.append(f"{steps} steps: {problem}")
+    if failures:
+        raise ValueError(f"--resume: no checkpoint in {run_dir / 'checkpoints'} loads:\n  " + "\n  ".join(failures))
     return None
 
 
 # ---------------------------------------------------------------------- training
 def train(config: dict, resume: bool = False, model=None, tokenizer=None, progress_bar: bool = True) -> Path:
     """Train (or resume) the run described by ``config``; returns the run folder. ``model``/``tokenizer`` replace
-    ``config["model"]`` (tests pass a tiny model)."""
+    ``config["model"]`` (tests pass a tiny model). The run folder is written only once the config has validated
+    and the agent is built (on ``resume``, from the newest checkpoint that loads); ``run.json`` records the start
+    after that."""
     import torch
     from sb3_contrib import MaskablePPO
     from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
     from stable_baselines3.common.logger import configure
-    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+    from stable_baselines3.common.vec_env import DummyVecEnv
 
     from agents.ppo.controller import save_policy
     from agents.ppo.policy import SlotScorerPolicy
 
+    _check(config)
     run_dir = Path(config["runs_dir"]) / config["name"]
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if resume and checkpoint is None:
-        print(f"--resume: no checkpoint in {run_dir / 'checkpoints'}; starting from scratch")
     if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it, or another name=...")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    run_info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {"starts": []}
-    run_info.update(commit=git_commit(), python=platform.python_version(), torch=torch.__version__)
-    run_info["starts"].append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_from": str(checkpoint[0])
-                               if checkpoint else None, "commit": run_info["commit"]})
-    (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
 
     needs_model = config["eval"]["every"] > 0 or config["live_finetune_timesteps"] > 0
     if needs_model or not (trace_dir(config) / "index.json").is_file():
@@ -375,13 +500,24 @@ def train(config: dict, resume: bool = False, model=None, tokenizer=None, progre
     folder = ensure_traces(config, model, tokenizer)
     seed, n_envs = int(config["seed"]), int(config["n_envs"])
     raw = DummyVecEnv([lambda: make_replay_env(config, folder) for _ in range(n_envs)])
-    if checkpoint:
-        venv = VecNormalize.load(str(checkpoint[1]), raw)
-        agent = MaskablePPO.load(str(checkpoint[0]), env=venv, device="cpu")
+    loaded = _load_checkpoint(run_dir, raw) if resume else None
+    if loaded:
+        checkpoint, venv, agent = loaded
     else:
+        if resume:
+            print(f"--resume: no checkpoint in {run_dir / 'checkpoints'}; starting from scratch")
+        checkpoint = None
         venv = _vec_normalize(raw, config)
         agent = MaskablePPO(SlotScorerPolicy, venv, policy_kwargs=dict(config["policy"]), seed=seed, device="cpu",
                             verbose=0, **config["ppo"])
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    run_info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {"starts": []}
+    run_info.update(commit=git_commit(), python=platform.python_version(), torch=torch.__version__)
+    run_info["starts"].append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_from": str(checkpoint[0])
+                               if checkpoint else None, "commit": run_info["commit"]})
+    (run_dir / "run.json").write_text(json.dumps(run_info, indent=2))
     agent.set_logger(configure(str(run_dir / "tb"), ["tensorboard", "csv"]))
     if not checkpoint and config["imitation"]["teacher"]:
         _imitate(agent, venv, config, folder, run_dir)

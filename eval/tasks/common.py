@@ -50,6 +50,11 @@ def count_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def last_line(text: str) -> str:
+    """The text after the last newline: the question of a "{context}\n{question}" template."""
+    return text[text.rindex("\n") + 1:]
+
+
 def make_rng(task: str, seed: int, index: int, salt: str = "") -> random.Random:
     """A generator seeded from the task name, seed and index (string seeds are stable across runs)."""
     return random.Random(f"kvgym/{task}/{seed}/{index}/{salt}")

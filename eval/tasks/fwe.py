@@ -19,7 +19,7 @@ from __future__ import annotations
 from functools import cache, lru_cache
 
 from eval.tasks.base import Sample, register_task
-from eval.tasks.common import fit_length, make_rng, word_list
+from eval.tasks.common import fit_length, last_line, make_rng, word_list
 
 TEMPLATE = ("Read the following coded text and track the frequency of each coded word. Find the three most "
             "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please "
@@ -67,7 +67,7 @@ def fwe(tokenizer, length: int, seed: int, index: int) -> Sample:
         return TEMPLATE.format(context=" ".join(words))
 
     n, text = fit_length(tokenizer, length, build, lambda t: t + ANSWER_PREFIX, 0, 4 * length, what="fwe")
-    return Sample(task="fwe", length=length, seed=seed, index=index, input=text, answer_prefix=ANSWER_PREFIX,
+    return Sample(task="fwe", length=length, seed=seed, index=index, input=text, question=last_line(text), answer_prefix=ANSWER_PREFIX,
                   outputs=list(outputs), metric="string_match_all", max_new_tokens=MAX_NEW_TOKENS,
                   meta={"vocab": vocab, "counts": word_counts(n, vocab_size), "alpha": ALPHA, "num_words": n})
 

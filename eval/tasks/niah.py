@@ -35,6 +35,7 @@ from eval.tasks.common import (
     fit_length,
     insert_into_prose,
     interleave,
+    last_line,
     make_rng,
     noise_lines,
     prose_parts,
@@ -115,7 +116,7 @@ def niah_sample(task: str, haystack: str, num_keys: int, num_values: int, num_qu
 
     n, text = fit_length(tokenizer, length, build, lambda t: t + answer_prefix, n_min, n_max, what=task)
     meta["haystack_units"] = n
-    return Sample(task=task, length=length, seed=seed, index=index, input=text, answer_prefix=answer_prefix,
+    return Sample(task=task, length=length, seed=seed, index=index, input=text, question=last_line(text), answer_prefix=answer_prefix,
                   outputs=outputs, metric="string_match_all", max_new_tokens=MAX_NEW_TOKENS, meta=meta)
 
 

@@ -80,6 +80,6 @@ def passkey(tokenizer, length: int, seed: int, index: int) -> Sample:
         return PREFIX + " " + _filler(0, before) + needle + _filler(before, n - before) + question
 
     n, text = fit_length(tokenizer, length, build, lambda t: t + answer_prefix, 0, 4 * length, what="passkey")
-    return Sample(task="passkey", length=length, seed=seed, index=index, input=text,
+    return Sample(task="passkey", length=length, seed=seed, index=index, input=text, question=question,
                   answer_prefix=answer_prefix, outputs=[str(key)], metric="exact", max_new_tokens=10,
                   meta={"depth": depth, "needle": needle.strip(), "filler_sentences": n})

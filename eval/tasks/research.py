@@ -24,6 +24,7 @@ from eval.tasks.common import (
     DEPTHS,
     fit_length,
     insert_into_prose,
+    last_line,
     make_rng,
     prose_parts,
     prose_window,
@@ -61,7 +62,7 @@ def research(tokenizer, length: int, seed: int, index: int) -> Sample:
 
     n, text = fit_length(tokenizer, length, build, lambda t: t + answer_prefix, 0, 4 * length,
                          what="research")
-    return Sample(task="research", length=length, seed=seed, index=index, input=text,
+    return Sample(task="research", length=length, seed=seed, index=index, input=text, question=last_line(text),
                   answer_prefix=answer_prefix, outputs=[top], metric="string_match_all",
                   max_new_tokens=MAX_NEW_TOKENS,
                   meta={"chain": chains[0], "distractor_chains": chains[1:], "facts": facts, "depths": depths,

@@ -24,7 +24,7 @@ import random
 import string
 
 from eval.tasks.base import Sample, register_task
-from eval.tasks.common import depth_position, fit_length, interleave, make_rng, noise_lines
+from eval.tasks.common import depth_position, fit_length, interleave, last_line, make_rng, noise_lines
 
 TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
             "{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.")
@@ -77,7 +77,7 @@ def vt(tokenizer, length: int, seed: int, index: int) -> Sample:
         return example + "\n\n" + TEMPLATE.format(context=chain_context(n, statements, fractions), query=value)
 
     n, text = fit_length(tokenizer, length, build, lambda t: t + answer_prefix, 0, 4 * length, what="vt")
-    return Sample(task="vt", length=length, seed=seed, index=index, input=text, answer_prefix=answer_prefix,
+    return Sample(task="vt", length=length, seed=seed, index=index, input=text, question=last_line(text), answer_prefix=answer_prefix,
                   outputs=list(names), metric="string_match_all", max_new_tokens=MAX_NEW_TOKENS,
                   meta={"value": value, "statements": statements, "example_names": example_names,
                         "example_value": example_value, "noise_sentences": n})

@@ -9,7 +9,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from cache.controller import CacheView, apply_decisions
+from cache.controller import CacheView, Op, apply_decisions
 from cache.paged_cache import CacheConfig, PagedKVCache
 from cache.runner import budget_blocks
 from cache.tiers import Tier
@@ -47,6 +47,24 @@ def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
     """Sum over positions of KL(reference || softmax(logits)); ``reference`` holds log-probabilities."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     return float((reference.exp() * (reference - logprobs)).sum())
+
+
+def check_action(action, shape: tuple[int, ...], what: str = "action") -> np.ndarray:
+    """``action`` as an int64 array of ``shape`` whose entries are ops (0 keep, 1 evict, 2 merge, 3 prefetch);
+    a ``ValueError`` naming the action and what is accepted otherwise."""
+    ops = ", ".join(f"{int(op)} {op.name.lower()}" for op in Op)
+    expected = f"an integer array of shape {shape} with entries {ops}"
+    try:
+        array = np.asarray(action)
+    except ValueError:  # ragged nested lists
+        raise ValueError(f"{what} {action!r}: expected {expected}") from None
+    if array.shape != shape:
+        raise ValueError(f"{what} of shape {array.shape}: expected {expected}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{what} of dtype {array.dtype}: expected {expected}")
+    if array.size and (array.min() < 0 or array.max() >= len(Op)):
+        raise ValueError(f"{what} {array.tolist()}: expected {expected}")
+    return array.astype(np.int64, copy=False)
 
 
 class PagedKVCacheEnv(gym.Env):
@@ -146,15 +164,13 @@ class PagedKVCacheEnv(gym.Env):
         self._references: OrderedDict = OrderedDict()
         self.cache: PagedKVCache | None = None
         self._encoded: Encoded | None = None
+        self.closed = False
 
     # ------------------------------------------------------------------ episode plumbing
     def _prompt_ids(self, sample) -> list[int]:
-        if self.chat and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": sample.input}],
-                                                     add_generation_prompt=True, tokenize=True, return_dict=False)
-            return list(ids) + (self.tokenizer(sample.answer_prefix).input_ids if sample.answer_prefix else [])
-        ids = self.tokenizer(sample.prompt).input_ids
-        return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        from eval.tasks.prompt import build_prompt
+
+        return build_prompt(self.tokenizer, sample, self.chat).ids
 
     @torch.no_grad()
     def _reference(self, key, prompt_ids: list[int], new_tokens: int) -> Reference:
@@ -191,6 +207,7 @@ class PagedKVCacheEnv(gym.Env):
         super().reset(seed=seed)
         if self.cache is not None:
             self.cache.close()
+        self.closed = False
         rng = self.np_random
         task = self.tasks[int(rng.integers(len(self.tasks)))]
         length = self.lengths[int(rng.integers(len(self.lengths)))]
@@ -274,27 +291,32 @@ class PagedKVCacheEnv(gym.Env):
         return self._encoded.mask.reshape(-1).copy()
 
     def step(self, action):
-        if self.cache is None:
-            raise RuntimeError("call reset() before step()")
-        if self.done:
-            raise RuntimeError("the episode has ended; call reset()")
-        assert self.action_space.contains(np.asarray(action, dtype=np.int64)), f"invalid action {action!r}"
+        self._check_running("step")
+        action = check_action(action, (self.num_candidates,))
         decisions, illegal = decode_action(action, self._encoded)
         return self.step_decisions(decisions, illegal)
 
     def cache_view(self) -> CacheView:
         """What a ``Controller`` sees at this decision point."""
+        if self.cache is None:
+            raise RuntimeError("cache_view() after close()" if self.closed else "call reset() before cache_view()")
         return CacheView.from_cache(self.cache, self.budget)
 
     def step_decisions(self, decisions: list, illegal: int = 0):
         """``step`` with ``Decision``s instead of an action: runs a controller (a baseline, or a loaded policy)
         through the same episode, rewards and info as the agent (``decisions = controller.decide(env.cache_view())``)."""
-        if self.cache is None:
-            raise RuntimeError("call reset() before step_decisions()")
-        if self.done:
-            raise RuntimeError("the episode has ended; call reset()")
+        self._check_running("step_decisions")
         pending = self.apply(decisions, illegal)
         return self.finish_step(self._advance(), pending)
+
+    def _check_running(self, method: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{method}() after close(): the env's cache is released; call reset() to start "
+                               "a new episode")
+        if self.cache is None:
+            raise RuntimeError(f"call reset() before {method}()")
+        if self.done:
+            raise RuntimeError("the episode has ended; call reset()")
 
     def apply(self, decisions: list, illegal: int = 0) -> dict:
         """The first half of a step: the decisions, then the budget fallback; returns what ``finish_step`` needs."""
@@ -342,3 +364,4 @@ class PagedKVCacheEnv(gym.Env):
     def close(self):
         if self.cache is not None:
             self.cache.close()
+        self.cache, self.closed = None, True

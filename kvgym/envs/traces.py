@@ -20,9 +20,9 @@ It is saved as one ``torch.save`` of a plain dict (tensors + a metadata dict; ``
 reads it). ``kvgym traces build`` writes ``<task>_<length>_<index>.pt`` files and ``index.json``.
 
 The recording reuses ``agents.baselines.oracle.TraceRecorder`` (one decision per forward pass, nothing
-evicted) and extends it with the per-forward query count and latest query; it runs the ``Runner`` itself
-rather than ``record_trace`` because the final cache (mean keys, sentence ends) is needed as well, which
-``record_trace`` discards.
+evicted) and extends it with the per-forward query count and latest query; it replays the live env's own
+forward passes (``_env_forwards``: the env keeps kvgym's earlier streaming order, the first answer token from
+the last prompt chunk, until it moves to the runner's protocols).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from agents.baselines.oracle import TraceRecorder
 from cache.controller import CacheView, Decision
-from cache.paged_cache import CacheConfig
+from cache.paged_cache import CacheConfig, PagedKVCache
 
 TRACE_FORMAT = "kvgym-trace"
 TRACE_VERSION = 1
@@ -118,13 +118,10 @@ class _QueryTraceRecorder(TraceRecorder):
 
 
 def prompt_ids_for(tokenizer, sample, chat: bool = False) -> list[int]:
-    """The prompt token ids of ``sample`` exactly as ``PagedKVCacheEnv`` builds them."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": sample.input}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        return list(ids) + (tokenizer(sample.answer_prefix).input_ids if sample.answer_prefix else [])
-    ids = tokenizer(sample.prompt).input_ids
-    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    """The prompt token ids of ``sample`` exactly as ``PagedKVCacheEnv`` builds them (the one prompt builder)."""
+    from eval.tasks.prompt import build_prompt
+
+    return build_prompt(tokenizer, sample, chat).ids
 
 
 _SENTENCE_IDS: dict[int, torch.Tensor] = {}
@@ -159,7 +156,6 @@ def build_trace(model, tokenizer, sample_or_prompt_ids, prefill_chunk: int = 64,
     ``decide_every`` must be 1: the trace records every forward pass, which serves any ``decide_every`` at
     replay time (a coarser trace could not, since over-budget decision points fall on any decode step).
     """
-    from cache.runner import Runner
     from eval.tasks.base import Sample
 
     if decide_every != 1:
@@ -180,18 +176,11 @@ def build_trace(model, tokenizer, sample_or_prompt_ids, prefill_chunk: int = 64,
         raise ValueError("build_trace: the prompt is empty")
     if new_tokens < 1:
         raise ValueError(f"build_trace: max_new_tokens must be >= 1, got {new_tokens}")
-    config = CacheConfig(stats_window=max(64, prefill_chunk))  # every prefill query is recorded
-    total = len(prompt) + new_tokens
-    budget = max(-(-total // config.block_size), config.sink_blocks + 1)  # the whole run fits: no eviction
+    config = CacheConfig(stats_window=max(64, prefill_chunk), max_tokens=len(prompt) + new_tokens)
     recorder = _QueryTraceRecorder()
-    runner = Runner(model, None, cache_config=config, controller=recorder, budget=budget,
-                    prefill_chunk=prefill_chunk, decide_every=1)
-    result = runner.run(torch.tensor([prompt]), max_new_tokens=new_tokens, stop_at_eos=False)
-    cache = result.cache
+    cache, generated = _env_forwards(model, config, recorder, prompt, prefill_chunk, new_tokens)
     try:
-        if result.operations.get("evict", 0) or result.fallbacks:
-            raise RuntimeError("build_trace: the reference run evicted blocks; it must keep the full cache")
-        attention = recorder.trace(result.new_tokens)
+        attention = recorder.trace(generated)
         cache.refresh_key_stats()
         n = cache.num_logical_blocks()
         num_tokens = cache.tables.num_tokens[0, :n].to(torch.int64).clone()
@@ -199,7 +188,7 @@ def build_trace(model, tokenizer, sample_or_prompt_ids, prefill_chunk: int = 64,
         bytes_per_token = int(cache.bytes_per_token)
     finally:
         cache.close()
-    tokens = [int(t) for t in result.new_tokens]
+    tokens = [int(t) for t in generated]
     fed = prompt + tokens[:-1]  # the last generated token is never fed back
     sentence_end = _sentence_ends(tokenizer, fed)
     block_size = config.block_size
@@ -227,6 +216,25 @@ def build_trace(model, tokenizer, sample_or_prompt_ids, prefill_chunk: int = 64,
         prompt_ids=torch.tensor(prompt, dtype=torch.int64), tokens=torch.tensor(tokens, dtype=torch.int64),
         meta=meta,
     )
+
+
+def _env_forwards(model, config: CacheConfig, recorder, prompt: list[int], prefill_chunk: int, new_tokens: int):
+    """The live env's forward passes over the full cache (prompt chunks from its start, the first token from the
+    last chunk's logits, then one token a step; ``PagedKVCacheEnv.forwards``), the recorder deciding after each.
+    Returns the cache and the greedy tokens."""
+    cache = PagedKVCache(model.config, config)
+    full = [cache.max_blocks] * cache.num_layers
+    logits = None
+    for start in range(0, len(prompt), prefill_chunk):
+        logits = model(input_ids=torch.tensor([prompt[start : start + prefill_chunk]]), cache=cache, use_cache=True,
+                       logits_to_keep=1).logits
+        recorder.decide(CacheView.from_cache(cache, full))
+    generated = [int(logits[0, -1].argmax())]
+    while len(generated) < new_tokens:
+        logits = model(input_ids=torch.tensor([generated[-1:]]), cache=cache, use_cache=True).logits
+        recorder.decide(CacheView.from_cache(cache, full))
+        generated.append(int(logits[0, -1].argmax()))
+    return cache, generated
 
 
 def trace_filename(task: str, length: int, index: int) -> str:

@@ -24,7 +24,7 @@ import torch
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv
 
 from cache.batched import batched_forward
-from kvgym.envs.paged_kv import PagedKVCacheEnv
+from kvgym.envs.paged_kv import PagedKVCacheEnv, check_action
 
 
 def drive_batched(model, envs: list[PagedKVCacheEnv], generators: list, kl_positions: int) -> tuple[list[float], int]:
@@ -77,6 +77,7 @@ class PagedKVCacheVecEnv(VecEnv):
         self._seeds: list[int | None] = [None] * num_envs
         self.episode_steps = np.zeros(num_envs, np.int64)
         self.model_calls = 0  # batched forward passes made (for benchmarks)
+        self.closed = False
 
     # ------------------------------------------------------------------ batching
     def _start(self, indices: list[int]) -> list[tuple[dict, dict]]:
@@ -95,12 +96,17 @@ class PagedKVCacheVecEnv(VecEnv):
 
     # ------------------------------------------------------------------ VecEnv API
     def reset(self):
+        self.closed = False
         started = self._start(list(range(self.num_envs)))
         self.reset_infos = [info for _, info in started]
         return self._stack([obs for obs, _ in started])
 
     def step_async(self, actions: np.ndarray) -> None:
-        self._actions = np.asarray(actions)
+        if self.closed:
+            raise RuntimeError("step after close(): the envs' caches are released; call reset() first")
+        if any(env.cache is None for env in self.envs):
+            raise RuntimeError("call reset() before stepping the vector env")
+        self._actions = check_action(actions, (self.num_envs, self.envs[0].num_candidates), "actions")
 
     @torch.no_grad()
     def step_wait(self):
@@ -139,6 +145,7 @@ class PagedKVCacheVecEnv(VecEnv):
     def close(self) -> None:
         for env in self.envs:
             env.close()
+        self.closed = True
 
     def seed(self, seed: int | None = None):
         self._seeds = [None if seed is None else seed + i for i in range(self.num_envs)]

@@ -1,0 +1,178 @@
+"""KVzip (Kim et al., 2025, arXiv 2505.23416, "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction"; official code github.com/snu-mllab/KVzip; kvpress ``KVzipPress``, followed here): keep what the
+model needs to **reconstruct** its context.
+
+The rule (kvpress 0.5.5): after the prefill, the model is fed "\\n\\nRepeat the previous context exactly." + the
+turn suffix + the context again (in chunks of ``chunk_size`` context tokens; a later chunk's instruction asks to
+"Repeat the part of the previous context exactly, starting with" the previous chunk's last 8 tokens), on top
+of the prefilled cache. A context token's score is the **largest** attention any reconstruction query pays it
+(max over the reconstruction queries and over the query heads of its KV group); the first ``n_sink`` tokens are
+always kept; the appended reconstruction is then discarded. kvpress prunes the lowest scores over all layers and
+heads at once (``layerwise = False``), or the same share of every layer (``layerwise = True``).
+
+On blocks:
+
+- reconstruction: a fresh ``PagedKVCache`` is filled with a copy of each layer's device tokens, and
+  ``view.model`` runs the repeat input on it at the positions following ``view.seen`` (in forwards of 128 tokens,
+  to bound memory), with the cache recording every reconstruction query's attention (``track_query_max``): a block's
+  score per query head is the largest attention mass (summed over the block's tokens) any single
+  reconstruction query pays it (``BlockStats.query_max_heads``); at block size 1 this is kvpress's token score.
+  The softmax runs over all the copied tokens and the reconstruction (kvpress: over the sinks, the chunk
+  being rebuilt and the reconstruction: the same for contexts of at most ``chunk_size`` tokens);
+- heads: ``aggregation = "max"`` over the layer's query heads (kvpress: max over each KV group);
+- selection: the blocks holding the first ``n_sink`` tokens are protected; the lowest-scoring device blocks are
+  evicted until each layer fits its budget. The budget is per layer (kvpress's ``layerwise = True``): the
+  runner fixes each layer's budget before any score exists, so kvpress's default global pruning across layers
+  (``layerwise = False``) cannot be expressed;
+- input: the repeat text is tokenised with the model's tokenizer (``AutoTokenizer`` on the model's
+  ``name_or_path``), with the suffix kvpress uses without a chat template, a newline. Every token seen is
+  repeated (kvpress skips the chat template's prefix when there is one, and then opens an assistant turn
+  instead of the newline). A model without a loadable tokenizer (the tiny test model) repeats the context
+  with no instruction.
+
+Decision points (``view.phase``): the reconstruction needs the whole context, so it runs at ``compress`` (one-
+shot: kvpress's KVzip) and at ``question`` (streaming: over each layer's blocks still on the device, with every
+token seen repeated), when a layer is over budget. At the other decisions (streaming ``prefill`` chunks,
+``decode``) no reconstruction runs (one per 64-token chunk would cost a forward over the resident context per
+chunk): the blocks scored by the last reconstruction are evicted lowest first, the blocks written since go
+after all of them, oldest first; before any reconstruction (streaming prefill) that is a sliding window behind
+the pinned sink.
+
+Cost: one forward of (instruction + every token seen) over a copy of the cache, with the attention of every
+reconstruction query recorded (about as much again as the forward's own attention); see the report of issue 12
+for the measured time on SmolLM2-135M at 2k tokens.
+
+Deviations: blocks of 16 tokens; one block set per layer for all KV heads (kvpress selects per KV head; per-KV-
+head selection is out of scope); per-layer budgets (above); KVzip+ normalisation not offered (kvpress's
+``kvzip_plus_normalization``, off by default).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from agents.baselines.base import AGGREGATIONS, check_choice, evict_lowest, over_heads, prompt_first_priority
+from cache.controller import CacheView, Decision
+from cache.paged_cache import CacheConfig, PagedKVCache
+from cache.tiers import Tier
+
+FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
+NEXT_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
+OVERLAP_TOKENS = 8  # a later chunk's instruction quotes the previous chunk's last 8 tokens
+SUFFIX = "\n"  # the turn suffix without a chat template
+PIECE_TOKENS = 128  # the reconstruction is fed in pieces: each forward's per-query attention stays small
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str):
+    if not path:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def text_ids(model, text: str) -> list[int]:
+    """``text`` in the model's tokens (no special tokens); empty when the model has no loadable tokenizer."""
+    tokenizer = _tokenizer(str(getattr(model.config, "name_or_path", "") or ""))
+    return [] if tokenizer is None else list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def repeat_inputs(model, token_ids: list[int], chunk_size: int) -> list[tuple[int, int, list[int]]]:
+    """``(first, end, ids)`` of each reconstruction pass: the context positions ``[first, end)`` it rebuilds and
+    its input (instruction, suffix, then those tokens)."""
+    passes = []
+    for first in range(0, len(token_ids), chunk_size):
+        end = min(first + chunk_size, len(token_ids))
+        if first == 0:
+            instruction = text_ids(model, FIRST_INSTRUCTION)
+        else:
+            instruction = text_ids(model, NEXT_INSTRUCTION) + token_ids[max(first - OVERLAP_TOKENS, 0) : first]
+        passes.append((first, end, instruction + text_ids(model, SUFFIX) + token_ids[first:end]))
+    return passes
+
+
+def resident_copy(view: CacheView, extra_tokens: int) -> tuple[PagedKVCache, list[torch.Tensor]]:
+    """A fresh cache holding a copy of each layer's device tokens (packed in position order) and room for
+    ``extra_tokens`` more, recording every query of forwards of up to ``PIECE_TOKENS`` tokens (``stats_window``)
+    and each block's largest single-query attention; and each layer's device blocks, whose ``i``-th is the
+    copy's block ``i``."""
+    source, bs = view.cache, view.cache.block_size
+    config = CacheConfig(block_size=bs, max_tokens=view.seen + extra_tokens, stats_window=PIECE_TOKENS,
+                         track_query_max=True, sink_blocks=source.config.sink_blocks)
+    copy = PagedKVCache(source.model_config, config)
+    resident = []
+    for layer in range(view.num_layers):
+        blocks = torch.nonzero(view.tier[layer] == Tier.DEVICE).flatten()
+        counts = view.num_tokens[layer, blocks]
+        if bool((counts[:-1] != bs).any()):
+            raise ValueError(f"KVzip: layer {layer} has a partly filled device block before its newest one")
+        pool = source.device_pool(layer)
+        valid = (torch.arange(bs)[None] < counts[:, None]).to(pool.keys.device)
+        physical = source.tables.physical[layer, blocks].to(pool.keys.device)
+        keys, values = pool.keys[physical][valid], pool.values[physical][valid]  # [T, kv_heads, dim]
+        copy.update(keys.transpose(0, 1)[None], values.transpose(0, 1)[None], layer)
+        resident.append(blocks)
+    return copy, resident
+
+
+@torch.no_grad()
+def reconstruction_mass(view: CacheView, chunk_size: int) -> torch.Tensor:
+    """``[L, H, N]``: per query head, the largest attention mass any reconstruction query pays each device
+    block (0 for the others). The newest block, when partly filled, shares its block of the copy with the first
+    reconstruction tokens, so its score also counts their attention; it is pinned, so that never matters."""
+    model = view.model
+    token_ids = view.token_ids.flatten().tolist()
+    device = next(model.parameters()).device
+    result = None
+    for first, end, ids in repeat_inputs(model, token_ids, chunk_size):
+        copy, resident = resident_copy(view, len(ids))
+        for start in range(0, len(ids), PIECE_TOKENS):  # causal: pieces in order give the same attention
+            piece = ids[start : start + PIECE_TOKENS]
+            positions = torch.arange(view.seen + start, view.seen + start + len(piece), device=device)[None]
+            model(input_ids=torch.tensor([piece], device=device), cache=copy, use_cache=True, position_ids=positions,
+                  logits_to_keep=1)
+        peak = copy.stats.query_max_heads  # [L, H, copy blocks]: the max over every piece's queries
+        if result is None:
+            result = torch.zeros(view.num_layers, peak.shape[1], view.num_blocks)
+        for layer, blocks in enumerate(resident):
+            start = view.first_position[blocks]
+            in_pass = (start >= first) & (start < end)
+            result[layer][:, blocks[in_pass]] = peak[layer, :, : len(blocks)][:, in_pass]
+    return result
+
+
+@dataclass
+class KVzip:
+    n_sink: int = 4  # kvpress default: the first tokens are always kept
+    chunk_size: int = 2048  # context tokens rebuilt per reconstruction pass (kvpress default)
+    aggregation: str = "max"  # over query heads: "max" (kvpress: max over each KV group) or "mean"
+    _scores: torch.Tensor | None = field(default=None, init=False, repr=False)  # [L, P] of the last reconstruction
+    _cache: weakref.ref | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        check_choice("KVzip", "aggregation", self.aggregation, AGGREGATIONS)
+        if self.chunk_size < 1 or self.n_sink < 0:
+            raise ValueError(f"KVzip: chunk_size must be >= 1 and n_sink >= 0, got {self.chunk_size}, {self.n_sink}")
+
+    def reconstruction_scores(self, view: CacheView) -> torch.Tensor:
+        """``[L, N]`` block scores from a reconstruction pass (see the module docstring)."""
+        return over_heads(reconstruction_mass(view, self.chunk_size), self.aggregation)
+
+    def decide(self, view: CacheView) -> list[Decision]:
+        if self._cache is None or self._cache() is not view.cache:
+            self._cache, self._scores = weakref.ref(view.cache), None
+        over_budget = bool((view.device_blocks() > view.budget_blocks).any())
+        if (view.phase in ("compress", "question") and over_budget and view.model is not None
+                and view.token_ids is not None):
+            self._scores = self.reconstruction_scores(view)
+        scores = self._scores if self._scores is not None else torch.zeros(view.num_layers, 0)
+        return evict_lowest(view, prompt_first_priority(scores, view.num_blocks),
+                            protect=view.first_position < self.n_sink)

