@@ -55,10 +55,10 @@ def register(name: str, target: str) -> None:
     CONTROLLERS[name] = target
 
 
-def controller_class(name: str):
-    if name not in CONTROLLERS:
-        raise ValueError(f"unknown controller {name!r}: choose from {', '.join(sorted(CONTROLLERS))}")
-    module, _, cls = CONTROLLERS[name].partition(":")
+def controller_class(name: str, table: dict[str, str] = CONTROLLERS):
+    if name not in table:
+        raise ValueError(f"unknown controller {name!r}: choose from {', '.join(sorted(table))}")
+    module, _, cls = table[name].partition(":")
     return getattr(import_module(module), cls)
 
 
@@ -140,10 +140,11 @@ def check_parameter(controller: str, name: str, value, annotation, source: str =
                          f"got {value!r}{source}") from None
 
 
-def make_controller(spec: str):
-    """Build a controller from a spec; YAML defaults first, then the spec's overrides."""
+def make_controller(spec: str, table: dict[str, str] = CONTROLLERS):
+    """Build a controller from a spec; YAML defaults first, then the spec's overrides. ``table``: where names are
+    looked up (``agents.scripted.SCRIPTED`` builds the scripted replay policies with the same grammar)."""
     name, overrides = parse_spec(spec)
-    cls = controller_class(name)
+    cls = controller_class(name, table)
     names = ([field.name for field in dataclasses.fields(cls) if field.init and not field.name.startswith("_")]
              if dataclasses.is_dataclass(cls) else [])
     if POSITIONAL in overrides:

@@ -46,32 +46,45 @@ def bench_cache(model, tokenizer, text: str, contexts: list[int], decode_steps: 
                                                                                 CacheConfig(max_tokens=capacity)),
         }
         prefill = {name: [] for name in caches}
+        prefill_cpu = {name: [] for name in caches}
         live, next_token = {}, {}
         for repeat in range(prefill_repeats):  # alternate which cache goes first
             for name in (["dynamic", "paged"] if repeat % 2 == 0 else ["paged", "dynamic"]):
+                if name == "paged" and name in live:  # done with, as the harness closes each run's cache:
+                    live[name].close()  # the next paged cache reuses its storage (the first one allocates)
                 cache = caches[name]()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
                 prefill[name].append(time.perf_counter() - start)
+                prefill_cpu[name].append(time.process_time() - start_cpu)
                 live[name], next_token[name] = cache, out.logits[:, -1:].argmax(-1)
         step_ms = {name: [] for name in caches}
+        step_cpu_ms = {name: [] for name in caches}
         agree = True
         for _ in range(decode_steps):
             names = list(caches)
             rng.shuffle(names)
             for name in names:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 out = model(input_ids=next_token[name], cache=live[name], use_cache=True)
                 step_ms[name].append(1000 * (time.perf_counter() - start))
+                step_cpu_ms[name].append(1000 * (time.process_time() - start_cpu))
                 next_token[name] = out.logits[:, -1:].argmax(-1)
             agree &= bool(next_token["dynamic"].item() == next_token["paged"].item())
         dynamic_ms, paged_ms = statistics.median(step_ms["dynamic"]), statistics.median(step_ms["paged"])
         dynamic_prefill, paged_prefill = statistics.median(prefill["dynamic"]), statistics.median(prefill["paged"])
+        cpu = {name: (statistics.median(step_cpu_ms[name]), statistics.median(prefill_cpu[name])) for name in caches}
         results.append({
             "context": context, "decode_steps": decode_steps, "prefill_repeats": prefill_repeats,
             "dynamic_ms": round(dynamic_ms, 2), "paged_ms": round(paged_ms, 2), "ratio": round(paged_ms / dynamic_ms, 3),
             "dynamic_prefill_s": round(dynamic_prefill, 3), "paged_prefill_s": round(paged_prefill, 3),
             "prefill_ratio": round(paged_prefill / dynamic_prefill, 3), "greedy_tokens_agree": agree,
+            "prefill_s_each": {name: [round(t, 3) for t in times] for name, times in prefill.items()},
+            # CPU time of this process (all its threads): unlike wall time, not inflated by waiting for a core
+            # that other processes hold, so steadier on a shared machine
+            "cpu_ratio": round(cpu["paged"][0] / cpu["dynamic"][0], 3),
+            "prefill_cpu_s": {name: round(value[1], 3) for name, value in cpu.items()},
+            "prefill_cpu_ratio": round(cpu["paged"][1] / cpu["dynamic"][1], 3),
         })
         if progress is not None:
             progress(results[-1])

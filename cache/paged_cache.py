@@ -34,6 +34,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache.block_table import BlockTables
+from cache.fallback import FALLBACK_RULES, eviction_key
 from cache.stats import BlockStats
 from cache.tiers import Tier, TierPool
 
@@ -82,9 +83,7 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
-FALLBACK_RULES = ("lowest_mass", "heavy_recent", "oldest")
 MERGE_CHUNK = 1 << 24  # most similarity scores (floats) a merge holds at once; larger batches go in chunks
-RECENT_PENALTY = 1e9  # added to a recent block's eviction key: it sorts after every older block
 
 
 class _DeviceStack:
@@ -117,6 +116,36 @@ class _DeviceStack:
         self.layer_of_row = torch.tensor(self.layers, dtype=torch.int64)
         self.row_of_layer = torch.full((max(self.layers) + 1,), -1, dtype=torch.int64)
         self.row_of_layer[self.layer_of_row] = torch.arange(g)
+
+    # Storage of closed caches, reused by the next cache of the same geometry: on the CPU a fresh allocation
+    # costs a page fault per 4 KiB on first write (the pools and mirrors of a 4k-token SmolLM2 prompt are
+    # ~400 MB), which DynamicCache, keeping the model's own key/value tensors, never pays. (CUDA has its own
+    # caching allocator.) At most RELEASED_MAX stacks are kept.
+    released: list[_DeviceStack] = []
+    RELEASED_MAX = 2
+
+    @classmethod
+    def take(cls, layers: list[int], num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+             dtype: torch.dtype, device) -> _DeviceStack:
+        """A released stack of this geometry (its log weights zeroed; keys, values and the rest are garbage,
+        as from ``torch.empty``), else a new one."""
+        geometry = (list(layers), num_blocks, block_size * num_blocks, kv_heads, head_dim, dtype, torch.device(device))
+        for i, stack in enumerate(cls.released):
+            if stack.geometry == geometry:
+                del cls.released[i]
+                stack.pool_log_weights.zero_()
+                stack.mirror_log_weights.zero_()
+                return stack
+        return cls(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+
+    def release(self) -> None:
+        """Give the storage back for reuse (CPU only); its cache must not touch it again."""
+        if self.device.type == "cpu":
+            _DeviceStack.released = ([self] + _DeviceStack.released)[: _DeviceStack.RELEASED_MAX]
+
+    @property
+    def geometry(self) -> tuple:
+        return (self.layers, self.num_blocks, self.capacity, self.kv_heads, self.head_dim, self.dtype, self.device)
 
     def fits(self, layer: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> bool:
         return (layer in self.row and (kv_heads, head_dim, dtype) == (self.kv_heads, self.head_dim, self.dtype)
@@ -374,7 +403,7 @@ class PagedKVCache(Cache):
             stack = self._stacks[0]
         else:
             layers = list(range(self.num_layers)) if not self._stacks else [layer]
-            stack = _DeviceStack(layers, self.device_blocks, self.block_size, kv_heads, head_dim, dtype, device)
+            stack = _DeviceStack.take(layers, self.device_blocks, self.block_size, kv_heads, head_dim, dtype, device)
             self._stacks.append(stack)
         self._stack_of[layer] = stack
         self.layers[layer].attach(stack, stack.row[layer])
@@ -984,10 +1013,17 @@ class PagedKVCache(Cache):
                 pools[Tier.DISK].reopen()
 
     def close(self) -> None:
-        """Release the pools and delete the disk tier's files and folder."""
+        """Release the pools and delete the disk tier's files and folder. The device storage goes back to a
+        small process-wide pool that the next cache of the same shape reuses (see ``_DeviceStack``): tensors
+        taken from a closed cache (``resident_keys_values``, pool views) must not be used after ``close()``."""
         for pools in self.pools:
             for pool in pools.values():
                 pool.close()
+        for layer in self.layers:
+            layer.mirror_keys = layer.mirror_values = layer.mirror_blocks = layer.mirror_log_weights = None
+            layer.mirror_positions = layer.mirror_norms = None
+        for stack in self._stacks:
+            stack.release()
         self.pools = [{} for _ in range(self.num_layers)]
         self._stacks, self._stack_of = [], [None] * self.num_layers
         if self.disk_dir is not None:
@@ -1009,18 +1045,17 @@ class PagedKVCache(Cache):
             raise ValueError(f"unknown fallback rule {rule!r}: use one of {FALLBACK_RULES}")
         evictions = 0
         n = self.num_logical_blocks()
+        order = None
         for layer in range(self.num_layers):
             excess = self.tables.count_in(layer, Tier.DEVICE) - budget_blocks[layer]
             if excess <= 0:
                 continue
             candidates = self.tables.blocks_in(layer, Tier.DEVICE)
             candidates = candidates[~self.pinned_mask(layer)[candidates]]
-            if rule != "oldest":
-                key = self.stats.acc_mass[layer, candidates].double()
-                if rule == "heavy_recent":
-                    key = key + (candidates >= n - budget_blocks[layer] // 2).double() * RECENT_PENALTY
-                # stable sort keeps ascending block order among equal keys: oldest first
-                candidates = candidates[torch.sort(key, stable=True).indices]
+            if order is None:  # cache.fallback's eviction keys, computed once for all layers
+                order = torch.from_numpy(eviction_key(self.stats.acc_mass[:, :n], budget_blocks, rule))
+            # stable sort keeps ascending block order among equal keys: oldest first
+            candidates = candidates[torch.sort(order[layer, candidates], stable=True).indices]
             for block in candidates[:excess].tolist():
                 self.evict(layer, block)
                 evictions += 1

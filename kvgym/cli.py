@@ -15,6 +15,7 @@ Subcommands:
   kvgym bench policy [options]     time per decision of a trained policy (direct path vs SB3 predict) (JSON)
   kvgym bench eval [options]       evaluation runs per hour with and without shared dense prefills (JSON)
   kvgym tensorboard [--logdir D]   TensorBoard on the training runs (offline)
+  kvgym peer --samples S --peer P  kvgym's eval results beside kvpress's on the same samples (Markdown)
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     traces_compare = trace_kinds.add_parser("compare", help="mean replay returns of policies on every trace x budget")
     traces_compare.add_argument("--dir", type=Path, required=True, help="a trace folder from `kvgym traces build`")
     traces_compare.add_argument("--policies", default="fallback,h2o,merge:mass",
-                                help="replay policy specs: fallback, lru, h2o, evict:mass, merge:mass, ppo:PATH, ...")
+                                help="replay policy specs (agents.scripted): fallback, lru, h2o, evict:mass, merge:mass,extra=1, ppo:PATH, ...")
     traces_compare.add_argument("--budgets", default="0.125,0.25,0.5")
     traces_compare.add_argument("--json", type=Path, required=True)
     traces_build.add_argument("--out", type=Path, required=True,
@@ -229,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. total_timesteps=20000 ppo.learning_rate=1e-4 name=try2")
 
+    peer = commands.add_parser("peer", help="kvgym's eval results beside kvpress's on the same samples (Markdown)")
+    peer.add_argument("--samples", type=Path, required=True, help="a samples.jsonl written by kvgym eval")
+    peer.add_argument("--peer", type=Path, required=True,
+                      help="kvpress's per-press results (e.g. ../shared/peer/kvpress_2k_results.jsonl)")
     board = commands.add_parser("tensorboard", help="start TensorBoard on the training runs (offline)")
     board.add_argument("--logdir", type=Path, default=Path("runs"))
     board.add_argument("--port", type=int, default=6006)
@@ -375,7 +380,7 @@ def cmd_bench(args) -> int:
     from cache.models import load_model
 
     if args.bench == "env":
-        from kvgym.envs.benchmark import bench_env, write_report
+        from eval.env_benchmark import bench_env, write_report
 
         model = None if args.model.lower() == "none" else load_model(args.model)
         report = bench_env(model, args.num_envs, args.live_steps, args.replay_steps,
@@ -450,9 +455,10 @@ def cmd_bandwidth(args) -> int:
 
 def cmd_traces(args) -> int:
     if args.traces == "compare":
-        from kvgym.envs.replay import replay_returns
+        from eval.harness import split_specs
+        from eval.replay_compare import replay_returns
 
-        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        policies = split_specs(args.policies)
         report = replay_returns(str(args.dir), policies, [float(b) for b in args.budgets.split(",")])
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
@@ -491,10 +497,24 @@ def cmd_tensorboard(args) -> int:
     return subprocess.call(command)
 
 
+def cmd_peer(args) -> int:
+    from eval.peer import compare, markdown
+
+    for path in (args.samples, args.peer):
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file; give a samples.jsonl and a kvpress results file")
+    rows = compare(args.samples, args.peer)
+    if not rows:
+        raise ValueError(f"{args.samples}: no controller with a kvpress counterpart on the same sample indexes")
+    print(markdown(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth,
-                "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "tensorboard": cmd_tensorboard}
+                "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "tensorboard": cmd_tensorboard,
+                "peer": cmd_peer}
     from cache.models import ModelBuildError
 
     try:

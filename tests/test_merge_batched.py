@@ -308,3 +308,29 @@ def test_block_sums_of_the_aligned_mirror_equal_a_token_level_index_add():
         swapped.index_add_(1, cache.layers[layer].mirror_blocks[: value.shape[-1]], value)
     index, sums = cache._mirror_block_sums([0, 1, 2], values)
     assert not torch.allclose(torch.zeros_like(swapped).index_add_(1, index, sums), swapped, atol=1e-6)
+
+
+@torch.no_grad()
+def test_a_closed_cache_storage_is_reused_clean_by_the_next_cache(tiny_model):
+    ids = torch.randint(2, 256, (1, 90), generator=torch.Generator().manual_seed(2))
+    first = PagedKVCache(tiny_model.config, CacheConfig(max_tokens=128))
+    tiny_model(input_ids=ids, cache=first, use_cache=True)
+    first.merge_blocks([(0, 2), (1, 3)])  # leaves non-zero log weights in the storage
+    storage = first._stacks[0].pool_keys.data_ptr()
+    first.close()
+    reused = PagedKVCache(tiny_model.config, CacheConfig(max_tokens=128))
+    out = tiny_model(input_ids=ids, cache=reused, use_cache=True).logits[0, -1]
+    assert reused._stacks[0].pool_keys.data_ptr() == storage  # the same memory, taken back
+    fresh = PagedKVCache(tiny_model.config, CacheConfig(max_tokens=128))  # the pool is empty now: new memory
+    expected = tiny_model(input_ids=ids, cache=fresh, use_cache=True).logits[0, -1]
+    assert fresh._stacks[0].pool_keys.data_ptr() != storage
+    assert torch.equal(out, expected)
+    for cache in (reused, fresh):
+        assert not cache.device_pool(0).has_merged and cache._stacks[0].mirror_log_weights.abs().max() == 0
+        cache.merge_blocks([(0, 2)])
+    token = int(out.argmax())
+    for _ in range(3):  # merged caches decode alike: no stale log weight survived the reuse
+        a = tiny_model(input_ids=torch.tensor([[token]]), cache=reused, use_cache=True).logits[0, -1]
+        b = tiny_model(input_ids=torch.tensor([[token]]), cache=fresh, use_cache=True).logits[0, -1]
+        assert torch.equal(a, b)
+        token = int(a.argmax())

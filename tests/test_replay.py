@@ -10,16 +10,13 @@ import pytest
 import torch
 
 import kvgym  # noqa: F401  (registers the envs)
-from kvgym.envs.observation import encode
+from eval.replay_compare import rankdata, replay_live_correlation, spearman
+from kvgym.envs.observation import encode, smallest_stable
 from kvgym.envs.replay import (
     DEVICE,
     DROPPED,
     HOST,
     PagedKVCacheReplayEnv,
-    rankdata,
-    replay_live_correlation,
-    smallest_stable,
-    spearman,
 )
 from kvgym.envs.traces import Trace, build_trace, build_traces
 from tests.test_env import ByteTokenizer, make_env, toy_recall
@@ -286,7 +283,7 @@ def test_rank_helpers():
 
 
 def test_replay_live_correlation_runs(model):
-    result = replay_live_correlation(model, ByteTokenizer(), ["fallback", "lru", "evict:mass+2", "merge:neighbour",
+    result = replay_live_correlation(model, ByteTokenizer(), ["fallback", "lru", "evict:mass,extra=2", "merge:neighbour",
                                                               "random:0.3"],
                                      episodes=2, tasks=("toy_recall",), lengths=(160,), budget_range=(0.3, 0.6),
                                      num_candidates=8, prefill_chunk=32, decide_every=2)
@@ -298,7 +295,7 @@ def test_replay_live_correlation_runs(model):
 
 
 def test_replay_returns_table_is_deterministic(traces):
-    from kvgym.envs.replay import replay_returns
+    from eval.replay_compare import replay_returns
 
     kwargs = {k: v for k, v in ENV.items() if k != "budget_range"}
     first = replay_returns(traces, ["fallback", "merge:mass"], budgets=(0.3, 0.6), env_kwargs=kwargs)

@@ -4,7 +4,7 @@ PPO from scratch on this action space spends its first updates near the initial 
 the return's variance between episodes (trace and budget) drowns the effect of a single slot's op. Cloning a
 teacher first (``merge:mass``: merge each over-budget layer's lowest-mass candidates instead of letting the
 fallback evict them) gives PPO a starting point it then improves on (rl.md §2: Parrot and HALP start from
-imitation too). The teacher is any ``kvgym.envs.replay.make_policy`` spec.
+imitation too). The teacher is any ``agents.scripted.make_policy`` spec.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 
 def collect(env, teacher: str, steps: int, seed: int = 0) -> dict[str, np.ndarray]:
     """``steps`` (observation, mask, teacher action) triples from a replay env driven by the teacher."""
-    from kvgym.envs.replay import _policy_inputs, make_policy
+    from agents.scripted import make_policy, policy_inputs
 
     policy, rng = make_policy(teacher), np.random.default_rng(seed)
     observations, masks, actions = [], [], []
     observation, _ = env.reset(seed=seed)
     while len(actions) < steps:
-        view, encoded = _policy_inputs(env)
+        view, encoded = policy_inputs(env)
         action = np.asarray(policy(view, encoded, rng), np.int64)
         observations.append(observation)
         masks.append(encoded.mask.reshape(-1))

@@ -204,7 +204,7 @@ def _check(config: dict) -> None:
         if key not in ("layer_pressure", "tier_occupancy", "globals", "blocks"):
             raise ValueError(f"normalize.norm_obs_keys: {key!r} is not an observation key")
     from agents.registry import make_controller
-    from kvgym.envs.replay import make_policy
+    from agents.scripted import make_policy
 
     for name in config["eval"]["baselines"]:
         try:
@@ -308,7 +308,8 @@ def _vec_normalize(venv, config: dict, training: bool = True):
 # ---------------------------------------------------------------------- callbacks
 SCALAR_LAYOUT = {
     "kvgym": {
-        "reward components": ["Multiline", ["cache/reward_kl", "cache/reward_bytes", "cache/reward_task"]],
+        "reward components": ["Multiline", ["cache/reward_kl", "cache/reward_mass", "cache/reward_bytes",
+                                            "cache/reward_task"]],
         "KL and lost mass": ["Multiline", ["cache/kl", "cache/lost_mass"]],
         "operations per step": ["Multiline", ["cache/evict", "cache/merge", "cache/prefetch", "cache/fallbacks"]],
         "bytes moved (MB per step)": ["Multiline", ["cache/mb_moved"]],
@@ -322,23 +323,18 @@ def _callbacks():
     from stable_baselines3.common.callbacks import BaseCallback
 
     class CacheScalars(BaseCallback):
-        """Means over each rollout of the envs' ``info``: reward components, KL, bytes, ops, fallbacks."""
-
-        def __init__(self, lambda_bytes: float):
-            super().__init__()
-            self.lambda_bytes = lambda_bytes
+        """Means over each rollout of the envs' ``info``: the reward's terms as the env computed them
+        (``kvgym.envs.reward``: ``cache/reward_<term>``), KL, bytes, ops, fallbacks."""
 
         def _on_step(self) -> bool:
             for info in self.locals["infos"]:
-                if "kl" not in info:
+                if "reward_terms" not in info:
                     continue
-                mb = info.get("bytes_moved", 0) / 2**20
                 record = self.logger.record_mean
+                for name, value in info["reward_terms"].items():
+                    record(f"cache/reward_{name}", value)
                 record("cache/kl", info["kl"])
-                record("cache/reward_kl", -info["kl"])
-                record("cache/mb_moved", mb)
-                record("cache/reward_bytes", -self.lambda_bytes * mb)
-                record("cache/reward_task", info.get("task_score", 0.0))
+                record("cache/mb_moved", info.get("bytes_moved", 0) / 2**20)
                 record("cache/lost_mass", info.get("lost_mass", 0.0))
                 record("cache/fallbacks", info.get("fallbacks", 0))
                 record("cache/illegal_ops", info.get("illegal_ops", 0))
@@ -524,7 +520,7 @@ def train(config: dict, resume: bool = False, model=None, tokenizer=None, progre
     _write_layout(run_dir / "tb")
 
     CacheScalars, LiveEval = _callbacks()
-    callbacks = [CacheScalars(config["env"]["lambda_bytes"]),
+    callbacks = [CacheScalars(),
                  CheckpointCallback(max(config["checkpoint_every"] // n_envs, 1), str(run_dir / "checkpoints"),
                                     name_prefix="ppo", save_vecnormalize=True)]
     if config["eval"]["every"] > 0:

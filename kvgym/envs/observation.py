@@ -14,7 +14,7 @@ import torch
 from gymnasium import spaces
 
 from cache.controller import CacheView, Decision, Op
-from cache.paged_cache import RECENT_PENALTY
+from cache.fallback import eviction_key
 from cache.tiers import Tier
 
 BLOCK_FEATURES = (
@@ -23,15 +23,8 @@ BLOCK_FEATURES = (
 )
 GLOBAL_FEATURES = ("progress", "budget", "bytes_moved")
 NUM_OPS = len(Op)
+DEVICE, HOST, DISK = int(Tier.DEVICE), int(Tier.HOST), int(Tier.DISK)
 FALLBACK_RULE = "heavy_recent"  # the envs' budget fallback (PagedKVCache.enforce_budget); candidates follow it
-
-
-def eviction_key(acc_mass: np.ndarray, budget_blocks: np.ndarray) -> np.ndarray:
-    """``[L, n]`` order in which the fallback rule ``heavy_recent`` evicts: accumulated mass, with the newest
-    ``budget // 2`` logical blocks of each layer (H2O's recent window) after every older block."""
-    n = acc_mass.shape[1]
-    recent = np.arange(n)[None, :] >= n - (np.asarray(budget_blocks) // 2)[:, None]
-    return acc_mass.astype(np.float64) + recent * RECENT_PENALTY
 
 
 def observation_space(num_layers: int, num_candidates: int) -> spaces.Dict:
@@ -74,6 +67,9 @@ def smallest_stable(key: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np
     if top == 0:
         empty = np.zeros(0, np.int64)
         return empty, empty, empty
+    if top == 1:  # one per row (a decode step's new block): argmin is the first smallest
+        rows = np.flatnonzero(counts > 0)
+        return rows, key[rows].argmin(axis=1), np.zeros(len(rows), np.int64)
     head = np.sort(np.partition(key, top - 1, axis=1)[:, :top] if top < key.shape[1] else key, axis=1)
     bound = head[np.arange(key.shape[0]), np.maximum(counts, 1) - 1]
     selected = key <= bound[:, None]
@@ -90,15 +86,15 @@ def choose_candidates(offloaded: np.ndarray, evictable: np.ndarray, query_simila
                       eviction_order: np.ndarray, num_candidates: int) -> np.ndarray:
     """Flat indices into ``[L, N]`` of the candidate slots: up to ``K // 2`` offloaded blocks (host/disk)
     most similar to the current query (prefetch candidates), then evictable device blocks in the fallback's
-    order (``eviction_key``: the blocks the fallback would evict next come first), ties to the lower index
-    (eviction/merge candidates). Shared by the live and the replay env, so both pick the same candidates
+    order (``cache.fallback.eviction_key``: the blocks the fallback would evict next come first), ties to the
+    lower index (eviction/merge candidates). Shared by the live and the replay env, so both pick the same candidates
     from the same numbers."""
     picks = []
-    count = min(int(offloaded.sum()), num_candidates // 2)
+    count = min(np.count_nonzero(offloaded), num_candidates // 2)
     if count:
         similarity = torch.from_numpy(np.where(offloaded, query_similarity, -np.inf).ravel())
         picks.append(torch.topk(similarity, count).indices.numpy())
-    count = min(int(evictable.sum()), num_candidates - sum(len(p) for p in picks))
+    count = min(np.count_nonzero(evictable), num_candidates - sum(len(p) for p in picks))
     if count:
         mass = np.where(evictable, eviction_order, np.inf).reshape(1, -1)
         picks.append(smallest_stable(mass, np.array([count]))[1])
@@ -111,12 +107,19 @@ def candidate_features(num_layers: int, seen: int, layers: np.ndarray, first_pos
                        sentence_boundary: np.ndarray, pinned: np.ndarray) -> np.ndarray:
     """``[c, len(BLOCK_FEATURES)]`` float32 features of ``c`` candidates, from per-candidate arrays."""
     seen = max(seen, 1)
-    return np.stack([
-        np.ones(len(layers)), layers / max(num_layers - 1, 1), (seen - first_position) / seen,
-        np.log1p(acc_mass.astype(np.float64)), np.log1p(recent_mass.astype(np.float64)),
-        query_similarity, neighbour_similarity,
-        tier == Tier.DEVICE, tier == Tier.HOST, tier == Tier.DISK, sentence_boundary, pinned,
-    ], axis=1).astype(np.float32)
+    features = np.empty((len(layers), len(BLOCK_FEATURES)), np.float32)
+    features[:, 0] = 1.0
+    features[:, 1] = layers / max(num_layers - 1, 1)
+    features[:, 2] = (seen - first_position) / seen
+    features[:, 3] = np.log1p(acc_mass.astype(np.float64))
+    features[:, 4] = np.log1p(recent_mass.astype(np.float64))
+    features[:, 5] = query_similarity
+    features[:, 6] = neighbour_similarity
+    for column, tier_value in ((7, DEVICE), (8, HOST), (9, DISK)):
+        features[:, column] = tier == tier_value
+    features[:, 10] = sentence_boundary
+    features[:, 11] = pinned
+    return features
 
 
 def encode(view: CacheView, num_candidates: int, progress: float, budget_fraction: float,
@@ -127,7 +130,7 @@ def encode(view: CacheView, num_candidates: int, progress: float, budget_fractio
     offloaded = (tier == Tier.HOST) | (tier == Tier.DISK)
     evictable = (tier == Tier.DEVICE) & ~pinned
     query_similarity = view.query_similarity.numpy()
-    order = eviction_key(view.acc_mass.numpy(), view.budget_blocks.numpy())
+    order = eviction_key(view.acc_mass.numpy(), view.budget_blocks.numpy(), FALLBACK_RULE)
     flat = choose_candidates(offloaded, evictable, query_similarity, order, num_candidates)
     layers, blocks = np.divmod(flat, view.num_blocks)
     c = len(flat)

@@ -21,16 +21,18 @@ from kvgym.envs.observation import (
     encode,
     observation_space,
 )
+from kvgym.envs.reward import reward, reward_terms
 
 
 @dataclass
 class Reference:
-    """The full cache's next-token log-probabilities for one task sample, computed once and reused."""
+    """The full cache's run of one task sample, computed once and reused: its greedy tokens, and its next-token
+    log-probabilities after each prompt chunk and after feeding each of its tokens."""
 
     prompt_ids: list[int]
     prefill_logprobs: list[torch.Tensor]  # per prefill chunk: [positions, vocab] at its last kl_positions
-    decode_logprobs: torch.Tensor  # [steps, vocab]
-    tokens: list[int]
+    decode_logprobs: torch.Tensor  # [steps, vocab]: row s after feeding tokens[s]
+    tokens: list[int]  # the full cache's greedy continuation; the env feeds exactly these (teacher forcing)
 
 
 def drive(forwards, forward) -> float:
@@ -99,12 +101,19 @@ class PagedKVCacheEnv(gym.Env):
 
     ## Rewards
 
-    Per step: ``-(KL)`` summed over the step's scored tokens, where KL is between the full cache's and this
-    cache's next-token distributions (prefill: the last ``kl_positions`` positions of each chunk; decode:
-    every step, against the full cache's distribution at the same step), ``- lambda_bytes`` × MB moved
-    between tiers, and at the end ``+ lambda_task`` × the task score of the generated answer. Components are
-    in ``info`` (``kl``, ``bytes_moved``, ``task_score``). The full-cache reference is computed once per
-    sample and cached.
+    ``kvgym.envs.reward``: per step, ``-(KL)`` summed over the step's scored tokens, where KL is between the
+    full cache's and this cache's next-token distributions (prefill: the last ``kl_positions`` positions of each
+    chunk; decode: every step), ``- lambda_bytes`` × MB moved between tiers, and at the end ``+ lambda_task`` ×
+    the task score of the answer. Components are in ``info`` (``kl``, ``bytes_moved``, ``task_score``, and the
+    signed ``reward_terms``). The full-cache reference is computed once per sample and cached.
+
+    Decoding is teacher-forced: the env's cache is fed the full cache's own greedy tokens
+    (``Reference.tokens``), so the KL of every step compares the two caches on the same prefix, and a step's KL
+    depends only on what this cache holds, never on a token it picked earlier. The answer scored at the end is
+    this cache's greedy pick at each answer position given the reference's prefix (``info``'s ``generated``
+    tokens, cut at the first EOS): exact where the cache agrees with the full cache, wrong where it does not,
+    but an early mistake does not derail the positions after it. The episode ends where the reference's
+    answer ends (``max_new_tokens`` or its EOS), as in the replay env.
 
     ## Starting State
 
@@ -113,8 +122,8 @@ class PagedKVCacheEnv(gym.Env):
 
     ## Episode End
 
-    ``terminated`` when the answer is generated (``max_new_tokens`` or EOS); ``truncated`` only by a
-    ``TimeLimit`` wrapper (``gym.make`` adds one).
+    ``terminated`` when the reference's answer has been fed (``max_new_tokens`` or the reference's EOS);
+    ``truncated`` only by a ``TimeLimit`` wrapper (``gym.make`` adds one).
 
     ## Arguments
 
@@ -258,11 +267,12 @@ class PagedKVCacheEnv(gym.Env):
             return kl
         for _ in range(self.decide_every):
             step = len(self.generated)
-            self.generated.append(self.next_token)
-            if step + 1 >= self.new_tokens or self._is_eos(self.next_token):
+            self.generated.append(self.next_token)  # this cache's own pick at the position
+            forced = self.reference.tokens[step]  # what is fed: the full cache's token (teacher forcing)
+            if step + 1 >= self.new_tokens or self._is_eos(forced):
                 self.done = True
                 return kl
-            logits = yield torch.tensor([[self.next_token]])
+            logits = yield torch.tensor([[forced]])
             kl += _kl(self.reference.decode_logprobs[step : step + 1], logits[-1:])
             self.next_token = int(logits[-1].argmax())
             if any(self.cache.tables.count_in(layer, Tier.DEVICE) > self.budget[layer]
@@ -332,17 +342,23 @@ class PagedKVCacheEnv(gym.Env):
     def finish_step(self, kl: float, pending: dict):
         """The second half of a step, after the forwards to the next decision point: reward, observation, info."""
         task_score = self._task_score() if self.done else 0.0
-        reward = -kl - self.lambda_bytes * pending["bytes_moved"] / 2**20 + self.lambda_task * task_score
+        terms = reward_terms(kl, pending["bytes_moved"], task_score, lambda_bytes=self.lambda_bytes,
+                             lambda_task=self.lambda_task)
         observation = self._observe()
-        info = self._info(kl=kl, task_score=task_score, **pending)
-        return observation, float(reward), self.done, False, info
+        info = self._info(kl=kl, task_score=task_score, reward_terms=terms, **pending)
+        if self.done:
+            info["generated"] = list(self.generated)
+        return observation, reward(terms), self.done, False, info
 
     def _task_score(self) -> float:
+        """The score of this cache's teacher-forced answer (its picks, up to its first EOS)."""
         if self.sample.metric == "kl":
             return 0.0
         from eval.scoring import score
 
-        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        answer = self.generated
+        ends = [i for i, token in enumerate(answer) if self._is_eos(token)]
+        text = self.tokenizer.decode(answer[: ends[0]] if ends else answer, skip_special_tokens=True)
         return float(score(self.sample, text))
 
     # ------------------------------------------------------------------ render

@@ -2,16 +2,13 @@
 
 ``PagedKVCacheReplayEnv`` steps a simulated block table through a recorded full-cache run (``kvgym/envs/traces.py``)
 at thousands of decisions per second on a CPU, where the live env makes about one a second with SmolLM2. A policy
-trained here is fine-tuned and validated on the live env (``replay_live_correlation`` measures how well the two
-agree).
+trained here is fine-tuned and validated on the live env (``eval.replay_compare.replay_live_correlation`` measures
+how well the two agree).
 """
 
 from __future__ import annotations
 
-import math
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -21,20 +18,22 @@ import numpy as np
 import torch
 
 from cache.controller import CacheView, Op
+from cache.fallback import eviction_key
 from cache.paged_cache import CacheConfig
 from cache.runner import budget_blocks
 from cache.tiers import Tier
 from kvgym.envs.observation import (
     BLOCK_FEATURES,
+    FALLBACK_RULE,
     NUM_OPS,
     Encoded,
     action_space,
     candidate_features,
     choose_candidates,
-    eviction_key,
     observation_space,
     smallest_stable,
 )
+from kvgym.envs.reward import reward, reward_terms
 from kvgym.envs.traces import Trace, trace_paths
 
 DEVICE, HOST, DISK, DROPPED, UNUSED = (int(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.DROPPED, Tier.UNUSED))
@@ -44,6 +43,15 @@ ATTENDED_SHARE = 1.0  # CacheConfig's default (BlockStats.last_attended)
 MAX_LOST = 1.0 - 1e-6  # keeps -log(1 - lost) finite
 KEEP, EVICT, MERGE, PREFETCH = (int(op) for op in (Op.KEEP, Op.EVICT, Op.MERGE, Op.PREFETCH))
 OP_NAMES = [op.name.lower() for op in Op]
+
+
+def rank_in_group(groups: np.ndarray) -> np.ndarray:
+    """Each entry's rank among the earlier entries with the same value: ``[3, 1, 3, 3] -> [0, 0, 1, 2]``."""
+    order = np.argsort(groups, kind="stable")
+    ordered = groups[order]
+    rank = np.empty(len(groups), np.int64)
+    rank[order] = np.arange(len(groups)) - np.searchsorted(ordered, ordered, side="left")
+    return rank
 
 
 class ReplayCacheInfo:
@@ -96,6 +104,24 @@ class ReplayCacheView(CacheView):
     def neighbour_similarity(self) -> torch.Tensor:
         return self.trace_neighbour_similarity
 
+    # traces record head-averaged mass: one "head" per layer, so ``mass(kind, "mean")`` is exact and
+    # ``mass(kind, "max")`` is the mean; a decode forward's mass is its one query's (``last_query``)
+    @cached_property
+    def acc_mass_heads(self) -> torch.Tensor:
+        return self.acc_mass[:, None, :]
+
+    @cached_property
+    def last_mass_heads(self) -> torch.Tensor:
+        return self.last_mass[:, None, :]
+
+    @cached_property
+    def last_query_heads(self) -> torch.Tensor:
+        return self.last_mass[:, None, :]
+
+    @cached_property
+    def query_max_heads(self) -> torch.Tensor | None:
+        return None  # not recorded
+
 
 class _Prepared:
     """A trace's arrays regrouped for the env's ``prefill_chunk``, with the derived similarities."""
@@ -118,7 +144,7 @@ class _Prepared:
         group = prefill_chunk // recorded_chunk
         mass = trace.mass.float()
         queries = trace.queries.to(torch.float64)
-        last_query = trace.last_query.float()
+        last_query = trace.last_query  # float16, as recorded
         # prefill: every `group` recorded chunks make one env chunk (mass and queries add up)
         starts = list(range(0, recorded_prefill, group))
         ends = [min(s + group, recorded_prefill) for s in starts]
@@ -132,7 +158,7 @@ class _Prepared:
         self.seen = trace.seen[index].numpy().astype(np.int64)
         self.queries = queries.numpy().astype(np.float32)
         self.mass = np.ascontiguousarray(mass.numpy())  # [T, L, N] float32
-        self.last_query = last_query[index]  # [T, L, heads, dim]
+        self.last_query = last_query[index]  # [T, L, heads, dim] float16 (the view reads one forward's, as float32)
         self.num_forwards, self.num_layers, self.num_blocks = self.mass.shape
         self.blocks_after = -(-self.seen // self.block_size)  # [T] logical blocks after each forward
         # weight of each forward in the KL proxy: prefill_weight per prefill chunk, 1 per decode step
@@ -150,7 +176,7 @@ class _Prepared:
         kv_heads = mean_key.shape[2]
         # query similarity of every block at every forward: cosine(mean key, KV-group-averaged query), mean over
         # KV heads (CacheView.query_similarity)
-        summary = last_query[index].reshape(self.num_forwards, self.num_layers, kv_heads, -1, last_query.shape[-1]).mean(dim=3)
+        summary = last_query[index].float().reshape(self.num_forwards, self.num_layers, kv_heads, -1, last_query.shape[-1]).mean(dim=3)
         eps = 1e-8
         keys_n = mean_key / mean_key.norm(dim=-1, keepdim=True).clamp(min=eps)
         summary_n = summary / summary.norm(dim=-1, keepdim=True).clamp(min=eps)
@@ -160,6 +186,40 @@ class _Prepared:
         similarity = flat @ flat.transpose(1, 2)
         similarity.diagonal(dim1=1, dim2=2).fill_(-1.0)
         self.neighbour = similarity.numpy()  # [L, N, N]
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the prepared arrays."""
+        return sum(value.nbytes if isinstance(value, np.ndarray) else value.element_size() * value.nelement()
+                   for value in vars(self).values() if isinstance(value, (np.ndarray, torch.Tensor)))
+
+
+class PreparedTraces:
+    """Prepared traces by key, the least recently used dropped once their arrays pass a memory budget."""
+
+    def __init__(self):
+        self.entries: OrderedDict = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key, make, budget: int) -> _Prepared:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        prepared = make()
+        self.entries[key] = prepared
+        self.nbytes += prepared.nbytes
+        while self.nbytes > budget and len(self.entries) > 1:
+            self.nbytes -= self.entries.popitem(last=False)[1].nbytes
+        return prepared
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+
+
+# traces prepared from files, shared by every replay env of the process (a DummyVecEnv of N envs over one trace
+# folder prepares each trace once and holds it once)
+SHARED_TRACES = PreparedTraces()
 
 
 class PagedKVCacheReplayEnv(gym.Env):
@@ -172,7 +232,7 @@ class PagedKVCacheReplayEnv(gym.Env):
     simulated per-layer block table (device / host / dropped, host capacity ``host_blocks`` per layer, the sink
     block and the newest block pinned) evolves with the actions over a recorded full-cache run
     (``kvgym traces build``). After the agent's ops the same fallback rule as the cache's (evict the unpinned
-    device blocks in ``eviction_key`` order: H2O's recent window of ``budget // 2`` blocks last, the others by least
+    device blocks in ``cache.fallback.eviction_key`` order: H2O's recent window of ``budget // 2`` blocks last, the others by least
     accumulated attention; to the host if it has room, else dropped) enforces every
     layer's budget and is counted in ``info["fallbacks"]``.
 
@@ -197,7 +257,7 @@ class PagedKVCacheReplayEnv(gym.Env):
 
     For forward ``t`` between this decision and the next, per layer ``l``: ``lost[t, l]`` = the full-cache
     attention mass of forward ``t`` on blocks that are not on the device (weighted by their loss weight: 1 evicted
-    or dropped, less for merged) divided by its query count. Per step:
+    or dropped, less for merged) divided by its query count. Per step (``kvgym.envs.reward``, as the live env):
 
     ``reward = -kl - mass_scale × lost_mass - lambda_bytes × MB moved``, ``kl = kl_scale × kl_proxy``
 
@@ -207,10 +267,11 @@ class PagedKVCacheReplayEnv(gym.Env):
     keeps its shape: the first-order effect of eviction on what a layer reads. ``kl_scale`` maps it to the live
     env's output KL: 20 was fitted on SmolLM2-135M, passkey at 1024 tokens (per-step least squares of the live
     KL on the proxy, r = 0.96 over 216 steps; the live KL sits on the decode steps, ~20 per unit of proxy, while
-    a prefill chunk's ~7 per unit is what ``prefill_weight`` = 1/3 encodes); ``replay_live_correlation`` returns
-    the fit (``kl_scale_fit``) for another model or task. There is no task score (the answer is not decoded):
-    ``info["task_score"]`` is 0. Components are in ``info``: ``kl`` (scaled, the live env's unit),
-    ``kl_proxy``, ``lost_mass``, ``bytes_moved``.
+    a prefill chunk's ~7 per unit is what ``prefill_weight`` = 1/3 encodes; that fit predates the live env's
+    teacher-forced KL, which is lower after a divergent token); ``eval.replay_compare.replay_live_correlation``
+    returns the fit (``kl_scale_fit``) for another model or task. There is no task score (the answer is not
+    decoded): ``info["task_score"]`` is 0. Components are in ``info``: ``kl`` (scaled, the live env's unit),
+    ``kl_proxy``, ``lost_mass``, ``bytes_moved``, and the signed ``reward_terms``.
 
     ## Starting State
 
@@ -228,8 +289,10 @@ class PagedKVCacheReplayEnv(gym.Env):
     ``num_candidates`` (K, 32), ``prefill_chunk`` (64; a multiple of the traces'), ``decide_every`` (8),
     ``budget_range``, ``lambda_bytes`` (0.01 per MB), ``host_blocks`` (None: room for the whole context),
     ``kl_scale`` (20.0), ``prefill_weight`` (1/3), ``mass_scale`` (0.0), ``merge_credit`` (0.5),
-    ``sentence_features`` (False), ``cache_traces`` (prepared traces kept in memory, LRU, 8: ~5 MB each at 2k
-    tokens, ~55 MB at 8k; preparing one takes ~50 ms), ``render_mode`` (``"ansi"`` | ``"rgb_array"``).
+    ``sentence_features`` (False), ``trace_memory_gb`` (2.0: memory for prepared traces; the env prepares its
+    traces once, when it is made, as many as fit, and the rest on first use, least recently used dropped first;
+    traces from files are shared by every replay env of the process: ~10 MB each for SmolLM2 at 2k tokens,
+    preparing one takes ~50 ms), ``render_mode`` (``"ansi"`` | ``"rgb_array"``).
 
     ## Version History
 
@@ -242,7 +305,7 @@ class PagedKVCacheReplayEnv(gym.Env):
                  budget_range=(0.125, 0.5), lambda_bytes: float = 0.01, host_blocks: int | None = None,
                  kl_scale: float = 20.0, prefill_weight: float = 1.0 / 3.0, mass_scale: float = 0.0,
                  merge_credit: float = 0.5,
-                 sentence_features: bool = False, cache_traces: int = 8, render_mode: str | None = None):
+                 sentence_features: bool = False, trace_memory_gb: float = 2.0, render_mode: str | None = None):
         low, high = budget_range
         if not 0.0 < low <= high <= 1.0:
             raise ValueError(f"budget_range {budget_range!r}: need 0 < low <= high <= 1")
@@ -252,15 +315,22 @@ class PagedKVCacheReplayEnv(gym.Env):
             raise ValueError("num_candidates, prefill_chunk and decide_every must be >= 1")
         if not 0.0 <= merge_credit <= 1.0:
             raise ValueError(f"merge_credit must be in [0, 1], got {merge_credit}")
+        if not trace_memory_gb > 0:
+            raise ValueError(f"trace_memory_gb must be > 0, got {trace_memory_gb}")
         self.sources = self._sources(traces)
         self.num_candidates, self.prefill_chunk, self.decide_every = num_candidates, prefill_chunk, decide_every
         self.budget_range, self.lambda_bytes, self.host_blocks = (low, high), lambda_bytes, host_blocks
         self.kl_scale, self.prefill_weight, self.mass_scale = kl_scale, prefill_weight, mass_scale
         self.merge_credit, self.sentence_features, self.render_mode = merge_credit, sentence_features, render_mode
-        self._prepared: OrderedDict = OrderedDict()
-        self._cache_traces = max(int(cache_traces), 1)
+        self._decay = RECENT_DECAY ** np.arange(decide_every, dtype=np.float32)  # per forward of a replayed group
+        self.trace_memory = int(trace_memory_gb * 2**30)
+        self._own_traces = PreparedTraces()  # traces given as objects
         first = self._prepare(0)
-        self.num_layers = first.num_layers
+        self.num_layers, size = first.num_layers, first.nbytes
+        for index in range(1, len(self.sources)):  # prepare once, as many as fit; the others on first use
+            if self._store(index).nbytes + size > self.trace_memory:
+                break
+            size = self._prepare(index).nbytes
         self.observation_space = observation_space(self.num_layers, num_candidates)
         self.action_space = action_space(num_candidates)
         self.data: _Prepared | None = None
@@ -279,22 +349,28 @@ class PagedKVCacheReplayEnv(gym.Env):
             raise ValueError("traces: none given")
         return sources
 
+    def _store(self, index: int) -> PreparedTraces:
+        return SHARED_TRACES if isinstance(self.sources[index], Path) else self._own_traces
+
     def _prepare(self, key) -> _Prepared:
-        """The prepared trace for a source index (cached, LRU) or a ``Trace``/dict object."""
+        """The prepared trace for a source index (from the store, or prepared and stored) or a ``Trace``/dict."""
         if not isinstance(key, int):
             trace = key if isinstance(key, Trace) else Trace.from_dict(key)
             return self._check(_Prepared(trace, self.prefill_chunk, self.prefill_weight))
-        if key in self._prepared:
-            self._prepared.move_to_end(key)
-            return self._prepared[key]
         source = self.sources[key]
-        trace = source if isinstance(source, Trace) else (
-            Trace.from_dict(source) if isinstance(source, dict) else Trace.load(source))
-        prepared = self._check(_Prepared(trace, self.prefill_chunk, self.prefill_weight))
-        self._prepared[key] = prepared
-        while len(self._prepared) > self._cache_traces:
-            self._prepared.popitem(last=False)
-        return prepared
+        if isinstance(source, Path):
+            stat = source.stat()
+            store_key = (str(source.resolve()), stat.st_mtime_ns, stat.st_size)
+        else:
+            store_key = key
+
+        def make() -> _Prepared:
+            trace = source if isinstance(source, Trace) else (
+                Trace.from_dict(source) if isinstance(source, dict) else Trace.load(source))
+            return _Prepared(trace, self.prefill_chunk, self.prefill_weight)
+
+        store = self._store(key)
+        return self._check(store.get((store_key, self.prefill_chunk, self.prefill_weight), make, self.trace_memory))
 
     def _check(self, prepared: _Prepared) -> _Prepared:
         layers = getattr(self, "num_layers", prepared.num_layers)
@@ -378,26 +454,27 @@ class PagedKVCacheReplayEnv(gym.Env):
         queries = data.queries[t0 : t1 + 1]  # [G] float32
         g = mass.shape[0]
         lost = np.einsum("gln,ln->gl", mass, self.loss_weight[:, :n1]) / queries[:, None]
-        np.clip(lost, 0.0, MAX_LOST, out=lost)
+        np.minimum(lost, MAX_LOST, out=lost)  # masses and loss weights are >= 0
         per_layer = 1.0 / lost.shape[1]
         kl = float(data.scored[t0 : t1 + 1] @ -np.log1p(-lost).sum(axis=1)) * per_layer
         lost_mass = float(lost.sum()) * per_layer
         # what the live cache's attention sees: the device blocks' mass, renormalised to the forward's queries
-        on_device = (self.tier[:, :n1] == DEVICE).astype(np.float32)
+        resident_now = self.tier[:, :n1] == DEVICE
+        on_device = resident_now.astype(np.float32)
         total = np.einsum("gln,ln->gl", mass, on_device)
         scale = np.divide(queries[:, None], total, out=np.zeros_like(total), where=total > 0)
-        weights = (RECENT_DECAY ** np.arange(g - 1, -1, -1, dtype=np.float32))[:, None] * scale
+        weights = self._decay[g - 1 :: -1, None] * scale
         self.acc_mass[:, :n1] += np.einsum("gl,gln->ln", scale, mass) * on_device
         self.recent_mass[:, :n1] *= np.float32(RECENT_DECAY ** g)
         self.recent_mass[:, :n1] += np.einsum("gl,gln->ln", weights, mass) * on_device
-        self.last_mass.fill(0.0)
+        # last_mass[:, n1:] stays 0: blocks past n1 do not exist yet (n only grows in an episode)
         np.multiply(mass[-1], scale[-1][:, None] * on_device, out=self.last_mass[:, :n1])
         resident = count0[None, :] + (data.blocks_after[t0 : t1 + 1] - n0)[:, None]  # [G, L]
         # attended: kept mass >= share × queries / resident blocks, i.e. raw mass >= that / scale
         threshold = np.divide(ATTENDED_SHARE * queries[:, None] / np.maximum(resident, 1), scale,
                               out=np.full_like(scale, np.inf), where=scale > 0)
         hit = mass >= threshold[..., None]
-        hit &= on_device.astype(bool)
+        hit &= resident_now
         if g == 1:
             np.copyto(self.last_attended[:, :n1], int(data.seen[t0]), where=hit[0])
         else:
@@ -412,17 +489,22 @@ class PagedKVCacheReplayEnv(gym.Env):
         pinned[:, self.n - 1] = True
         return pinned
 
+    def _unpin(self, on_device: np.ndarray) -> np.ndarray:
+        """``on_device`` ``[L, n]`` (a fresh array, changed in place) less the pinned blocks: the evictable ones."""
+        on_device[:, :SINK_BLOCKS] = False
+        on_device[:, self.n - 1] = False
+        return on_device
+
     def _observe(self) -> dict[str, np.ndarray]:
         """The observation from the simulated table, through the same candidate choice and features as the
         live env's ``encode`` (``tests/test_replay.py`` checks they agree)."""
         data, n, K, t = self.data, self.n, self.num_candidates, self.t
         tier = self.tier[:, :n]
-        on_device = tier == DEVICE
         offloaded = (tier == HOST) | (tier == DISK)
-        pinned = self._pinned()
-        evictable = on_device & ~pinned
+        evictable = self._unpin(tier == DEVICE)
         query_similarity = data.query_similarity[t, :, :n]
-        flat = choose_candidates(offloaded, evictable, query_similarity, eviction_key(self.acc_mass[:, :n], self.budget),
+        flat = choose_candidates(offloaded, evictable, query_similarity,
+                                 eviction_key(self.acc_mass[:, :n], self.budget, FALLBACK_RULE),
                                  K)
         layers, blocks = np.divmod(flat, n)
         c = len(flat)
@@ -435,7 +517,7 @@ class PagedKVCacheReplayEnv(gym.Env):
             features[:c] = candidate_features(
                 self.num_layers, int(data.seen[t]), layers, blocks * 16, cand_tier, self.acc_mass[layers, blocks],
                 self.recent_mass[layers, blocks], query_similarity[layers, blocks],
-                self.neighbour_rows(layers, blocks), boundary, pinned[layers, blocks])
+                self.neighbour_rows(layers, blocks), boundary, (blocks < SINK_BLOCKS) | (blocks == n - 1))
             legal_evict = evictable[layers, blocks]
             mask[:c, EVICT] = legal_evict
             mask[:c, MERGE] = legal_evict & (self.device_count[layers] > 1)
@@ -524,63 +606,68 @@ class PagedKVCacheReplayEnv(gym.Env):
         within_budget = bool((self.device_count <= self.budget).all())
         self.bytes_moved_total += moved
         kl, lost = self._advance()
-        reward = -(self.kl_scale * kl + self.mass_scale * lost) - self.lambda_bytes * moved / 2**20
+        terms = reward_terms(self.kl_scale * kl, moved, lost_mass=lost, lambda_bytes=self.lambda_bytes,
+                             mass_scale=self.mass_scale)
         observation = self._observe()
         info = self._info(kl=self.kl_scale * kl, kl_proxy=kl, lost_mass=lost, bytes_moved=moved, fallbacks=fallbacks,
-                          task_score=0.0, ops=ops,
-                          within_budget=within_budget, illegal_ops=illegal)
-        return observation, float(reward), self.done, False, info
+                          task_score=0.0, ops=ops, within_budget=within_budget, illegal_ops=illegal,
+                          reward_terms=terms)
+        return observation, reward(terms), self.done, False, info
 
     def _apply(self, action: np.ndarray) -> tuple[int, int, dict[str, int]]:
-        """The agent's ops, evictions and merges first (slot order), then prefetches (as ``decode_action``)."""
+        """The agent's ops, evictions and merges first (slot order), then prefetches (as ``decode_action``): an
+        eviction goes to the host while its layer's host pool has room (in slot order), else it is dropped."""
         c = len(self._layers)
         ops = dict.fromkeys(OP_NAMES, 0)
         chosen = action[:c]
-        active = np.flatnonzero(chosen)
         illegal = int(np.count_nonzero(action[c:]))
-        if not len(active):
+        active = chosen != KEEP
+        if not active.any():
             return 0, illegal, ops
-        legal = self._mask[active, chosen[active]]
-        illegal += len(active) - int(legal.sum())
-        active = active[legal].tolist()
-        chosen = chosen.tolist()
+        legal = self._mask[np.arange(c), chosen]
+        illegal += int(np.count_nonzero(active & ~legal))
+        chosen = np.where(legal, chosen, KEEP)
+        layers, blocks, L = self._layers, self._blocks, self.num_layers
         moved = 0
-        tier, weight, device, host = self.tier, self.loss_weight, self.device_count, self.host_used
-        for slot in [s for s in active if chosen[s] != PREFETCH] + [s for s in active if chosen[s] == PREFETCH]:
-            op, layer, block = chosen[slot], int(self._layers[slot]), int(self._blocks[slot])
-            if op == PREFETCH:
-                tier[layer, block] = DEVICE
-                weight[layer, block] = 0.0
-                host[layer] -= 1
-                device[layer] += 1
-                moved += self.block_bytes
-            elif op == EVICT:
-                if host[layer] < self.host_capacity:
-                    tier[layer, block] = HOST
-                    host[layer] += 1
-                    moved += self.block_bytes
-                else:
-                    tier[layer, block] = DROPPED
-                weight[layer, block] = 1.0
-                device[layer] -= 1
-            else:  # merge
-                tier[layer, block] = DROPPED
-                weight[layer, block] = 1.0 - self.merge_credit * max(float(self._neighbour[slot]), 0.0)
-                device[layer] -= 1
-            ops[OP_NAMES[op]] += 1
+        evict = np.flatnonzero(chosen == EVICT)
+        if len(evict):
+            layer = layers[evict]
+            to_host = rank_in_group(layer) < (self.host_capacity - self.host_used)[layer]
+            self.tier[layer, blocks[evict]] = np.where(to_host, HOST, DROPPED)
+            self.loss_weight[layer, blocks[evict]] = 1.0
+            self.host_used += np.bincount(layer[to_host], minlength=L)
+            self.device_count -= np.bincount(layer, minlength=L)
+            moved += int(np.count_nonzero(to_host)) * self.block_bytes
+        merge = np.flatnonzero(chosen == MERGE)
+        if len(merge):
+            layer = layers[merge]
+            self.tier[layer, blocks[merge]] = DROPPED
+            credit = self.merge_credit * np.maximum(self._neighbour[merge].astype(np.float64), 0.0)
+            self.loss_weight[layer, blocks[merge]] = 1.0 - credit
+            self.device_count -= np.bincount(layer, minlength=L)
+        prefetch = np.flatnonzero(chosen == PREFETCH)
+        if len(prefetch):
+            layer = layers[prefetch]
+            self.tier[layer, blocks[prefetch]] = DEVICE
+            self.loss_weight[layer, blocks[prefetch]] = 0.0
+            self.host_used -= np.bincount(layer, minlength=L)
+            self.device_count += np.bincount(layer, minlength=L)
+            moved += len(prefetch) * self.block_bytes
+        for op, slots in ((EVICT, evict), (MERGE, merge), (PREFETCH, prefetch)):
+            ops[OP_NAMES[op]] = len(slots)
         return moved, illegal, ops
 
     def _enforce_budget(self) -> tuple[int, int]:
         """The cache's fallback (``heavy_recent``): per layer over budget, evict the unpinned device blocks in
-        ``eviction_key`` order (least accumulated mass first, the recent window last; ties: oldest), to the host
-        while it has room, else dropped."""
+        ``cache.fallback.eviction_key`` order (least accumulated mass first, the recent window last; ties:
+        oldest), to the host while it has room, else dropped."""
         excess = np.maximum(self.device_count - self.budget, 0)
         if not excess.any():
             return 0, 0
         n = self.n
-        evictable = (self.tier[:, :n] == DEVICE) & ~self._pinned()
+        evictable = self._unpin(self.tier[:, :n] == DEVICE)
         layer_index, blocks, rank = smallest_stable(
-            np.where(evictable, eviction_key(self.acc_mass[:, :n], self.budget), np.inf), excess)
+            np.where(evictable, eviction_key(self.acc_mass[:, :n], self.budget, FALLBACK_RULE), np.inf), excess)
         to_host = rank < (self.host_capacity - self.host_used)[layer_index]
         self.tier[layer_index, blocks] = np.where(to_host, HOST, DROPPED).astype(np.int8)
         self.loss_weight[layer_index, blocks] = 1.0
@@ -605,261 +692,4 @@ class PagedKVCacheReplayEnv(gym.Env):
         return np.repeat(np.repeat(image, 4, axis=0), 4, axis=1)
 
     def close(self):
-        self._prepared.clear()
-
-
-
-# ---------------------------------------------------------------------- replay vs live
-Policy = Callable[[CacheView, Encoded, np.random.Generator], np.ndarray]
-
-# scripted policies: feature column of the encoded observation, and whether high values go first
-_ORDERS = {"mass": (3, False), "recent": (4, False), "oldest": (2, True), "newest": (2, False),
-           "query": (5, False), "neighbour": (6, True)}
-
-
-def _assign_by_layer_quota(action: np.ndarray, encoded: Encoded, op: int, score: np.ndarray,
-                           left: np.ndarray) -> None:
-    """Give ``op`` to the legal slots in ascending ``score`` order while their layer's quota ``left`` lasts."""
-    legal = np.flatnonzero(encoded.mask[:, op])
-    for slot in legal[np.argsort(score[legal], kind="stable")].tolist():
-        layer = encoded.candidates[slot][0]
-        if left[layer] > 0:
-            action[slot] = op
-            left[layer] -= 1
-
-
-def scripted_policy(order: str = "mass", extra: int = 0, op: int = EVICT) -> Policy:
-    """Per layer, ``op`` (evict or merge) on the layer's over-budget count (+ ``extra``) of its candidate slots,
-    ranked by a feature of the observation: ``mass`` (lowest accumulated attention first), ``recent``, ``oldest``,
-    ``newest``, ``query`` (least similar to the query), ``neighbour`` (most similar to another block)."""
-    column, descending = _ORDERS[order]
-
-    def policy(view: CacheView, encoded: Encoded, rng: np.random.Generator) -> np.ndarray:
-        K = len(encoded.mask)
-        action = np.zeros(K, np.int64)
-        features = encoded.observation["blocks"].reshape(K, -1)
-        left = (view.device_blocks() - view.budget_blocks).numpy() + extra
-        _assign_by_layer_quota(action, encoded, op, features[:, column] * (-1.0 if descending else 1.0), left)
-        return action
-
-    return policy
-
-
-def prefetch_policy(threshold: float = 0.0) -> Policy:
-    """Prefetch the offloaded candidates more similar to the query than ``threshold``, then evict the
-    lowest-mass candidates of each layer to make room (and meet the budget)."""
-
-    def policy(view: CacheView, encoded: Encoded, rng: np.random.Generator) -> np.ndarray:
-        K = len(encoded.mask)
-        action = np.zeros(K, np.int64)
-        features = encoded.observation["blocks"].reshape(K, -1)
-        left = (view.device_blocks() - view.budget_blocks).numpy()
-        for slot in np.flatnonzero(encoded.mask[:, PREFETCH] & (features[:, 5] > threshold)).tolist():
-            action[slot] = PREFETCH
-            left[encoded.candidates[slot][0]] += 1
-        _assign_by_layer_quota(action, encoded, EVICT, features[:, 3], left)
-        return action
-
-    return policy
-
-
-def random_policy(probability: float = 0.2) -> Policy:
-    """Each slot, with ``probability``, takes a uniformly random legal non-keep op."""
-
-    def policy(view: CacheView, encoded: Encoded, rng: np.random.Generator) -> np.ndarray:
-        action = np.zeros(len(encoded.mask), np.int64)
-        for slot in np.flatnonzero(rng.random(len(encoded.mask)) < probability).tolist():
-            ops = np.flatnonzero(encoded.mask[slot, 1:]) + 1
-            if len(ops):
-                action[slot] = int(rng.choice(ops))
-        return action
-
-    return policy
-
-
-def controller_policy(controller) -> Policy:
-    """A cache controller projected onto the action space: its decisions on candidate blocks become the slots'
-    ops (legal ones only); decisions on other blocks are dropped (the fallback rule covers the budget)."""
-
-    def policy(view: CacheView, encoded: Encoded, rng: np.random.Generator) -> np.ndarray:
-        action = np.zeros(len(encoded.mask), np.int64)
-        slots = {candidate: slot for slot, candidate in enumerate(encoded.candidates)}
-        for decision in controller.decide(view):
-            slot = slots.get((decision.layer, decision.block))
-            if slot is not None and encoded.mask[slot, int(decision.op)]:
-                action[slot] = int(decision.op)
-        return action
-
-    return policy
-
-
-def make_policy(spec: str) -> Policy:
-    """A fresh policy from a name: a registered controller spec (``lru``, ``h2o``, ``streamingllm``, ``fifo``, ...,
-    projected with ``controller_policy``), ``fallback`` (always keep: the budget is met by the fallback rule),
-    ``evict:<order>[+extra]`` / ``merge:<order>[+extra]`` (``scripted_policy``), ``prefetch[:threshold]``,
-    ``random[:probability]``, or ``ppo:PATH`` (a trained policy acting on the encoded observation)."""
-    from agents.registry import CONTROLLERS, make_controller, parse_spec
-
-    name, _, rest = spec.partition(":")
-    if name in ("evict", "merge"):
-        order, _, extra = (rest or "mass").partition("+")
-        return scripted_policy(order, int(extra or 0), EVICT if name == "evict" else MERGE)
-    if name == "fallback":
-        return lambda view, encoded, rng: np.zeros(len(encoded.mask), np.int64)
-    if name == "prefetch":
-        return prefetch_policy(float(rest or 0.0))
-    if name == "random":
-        return random_policy(float(rest or 0.2))
-    if name == "ppo":  # a trained policy on its own observation (not projected through decide)
-        from agents.ppo.controller import PPOController
-
-        controller = PPOController.load(rest)
-        return lambda view, encoded, rng: controller.act(encoded.observation, encoded.mask)
-    if parse_spec(spec)[0] in CONTROLLERS:
-        return controller_policy(make_controller(spec))
-    raise ValueError(f"unknown policy {spec!r}")
-
-
-def _policy_inputs(env) -> tuple[CacheView, Encoded]:
-    if isinstance(env, PagedKVCacheReplayEnv):
-        return env.view(), env.encoded
-    return CacheView.from_cache(env.cache, env.budget), env._encoded
-
-
-def run_episode(env, policy: Policy, rng: np.random.Generator, **reset_kwargs) -> dict:
-    """One episode of ``policy`` on a live or replay env: return, KL, bytes, task score, steps, seconds (the
-    policy's own time excluded)."""
-    start = time.perf_counter()
-    env.reset(**reset_kwargs)
-    totals = {"return": 0.0, "kl": 0.0, "kl_proxy": 0.0, "bytes_moved": 0, "task_score": 0.0, "lost_mass": 0.0,
-              "fallbacks": 0}
-    steps, policy_time = 0, 0.0
-    while True:
-        tick = time.perf_counter()
-        action = policy(*_policy_inputs(env), rng)
-        policy_time += time.perf_counter() - tick
-        _, reward, terminated, truncated, info = env.step(action)
-        steps += 1
-        totals["return"] += reward
-        for key in ("kl", "kl_proxy", "bytes_moved", "task_score", "lost_mass", "fallbacks"):
-            totals[key] += info.get(key, 0)
-        if terminated or truncated:
-            break
-    return {**totals, "steps": steps, "seconds": time.perf_counter() - start - policy_time}
-
-
-def rankdata(values: Sequence[float]) -> np.ndarray:
-    """Ranks from 1, ties get their average rank (``scipy.stats.rankdata``'s default)."""
-    values = np.asarray(values, dtype=np.float64)
-    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
-    starts = np.cumsum(counts) - counts
-    return (starts + (counts + 1) / 2.0)[inverse]
-
-
-def pearson(x: Sequence[float], y: Sequence[float]) -> float:
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    if len(x) < 2:
-        return float("nan")
-    x, y = x - x.mean(), y - y.mean()
-    denominator = math.sqrt(float((x * x).sum() * (y * y).sum()))
-    return float((x * y).sum() / denominator) if denominator > 0 else float("nan")
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's rank correlation (Pearson on average ranks); NaN when either side is constant."""
-    return pearson(rankdata(x), rankdata(y))
-
-
-DEFAULT_POLICIES = ("fallback", "lru", "h2o", "streamingllm", "fifo", "evict:mass+2", "evict:newest+4",
-                    "evict:recent", "merge:neighbour", "prefetch", "random:0.2", "random:0.5")
-
-
-def replay_live_correlation(model, tokenizer, controllers: Sequence[str] = DEFAULT_POLICIES, episodes: int = 4,
-                            seed: int = 0, tasks: Sequence[str] = ("passkey",), lengths: Sequence[int] = (1024,),
-                            budget_range=(0.125, 0.5), num_candidates: int = 32, prefill_chunk: int = 64,
-                            decide_every: int = 8, max_new_tokens: int | None = None, kl_positions: int = 8,
-                            lambda_bytes: float = 0.01, lambda_task: float = 1.0, host_blocks: int | None = None,
-                            chat: bool = False, replay_kwargs: dict | None = None,
-                            progress: Callable[[dict], None] | None = None) -> dict:
-    """Run every policy in ``controllers`` (``make_policy`` specs) on the live env and on the replay env over the
-    same ``episodes`` (task sample and budget drawn by the live env's ``reset(seed=seed + e)``; the replay env
-    replays the full-cache trace of that sample at that budget), with the same decisions (each policy maps the
-    view and encoded observation to an action; its RNG is seeded per episode), and compare episode returns.
-
-    Returns ``spearman`` (all policy × episode pairs), ``spearman_within_episode`` (mean over episodes of the
-    rank correlation across policies: does replay rank policies as live does?), ``pearson``, ``spearman_kl``
-    (live KL vs replay KL), ``kl_scale_fit`` (least-squares live KL per unit of the replay's KL proxy, over whole
-    episodes: a ``kl_scale`` for the replay env), steps per second of both envs, and every pair in ``rows``.
-    """
-    from kvgym.envs.paged_kv import PagedKVCacheEnv
-    from kvgym.envs.traces import build_trace
-
-    live = PagedKVCacheEnv(model, tokenizer, tasks=tasks, lengths=lengths, budget_range=budget_range,
-                           num_candidates=num_candidates, prefill_chunk=prefill_chunk, decide_every=decide_every,
-                           max_new_tokens=max_new_tokens, kl_positions=kl_positions, lambda_bytes=lambda_bytes,
-                           lambda_task=lambda_task, host_blocks=host_blocks, chat=chat)
-    settings = dict(num_candidates=num_candidates, prefill_chunk=prefill_chunk, decide_every=decide_every,
-                    budget_range=budget_range, lambda_bytes=lambda_bytes, host_blocks=host_blocks,
-                    **(replay_kwargs or {}))
-    rows = []
-    start = time.perf_counter()
-    trace_seconds = 0.0
-    try:
-        for episode in range(episodes):
-            live.reset(seed=seed + episode)
-            tick = time.perf_counter()
-            trace = build_trace(model, tokenizer, live.prompt_ids, prefill_chunk=prefill_chunk,
-                                max_new_tokens=live.new_tokens, meta={"task": live.sample.task})
-            trace_seconds += time.perf_counter() - tick
-            replay = PagedKVCacheReplayEnv([trace], **settings)
-            fraction = live.budget_fraction
-            for spec in controllers:
-                live_result = run_episode(live, make_policy(spec), np.random.default_rng([seed, episode]),
-                                          seed=seed + episode)
-                replay_result = run_episode(replay, make_policy(spec), np.random.default_rng([seed, episode]),
-                                            options={"trace": 0, "budget_fraction": fraction})
-                row = {"episode": episode, "policy": spec, "task": live.sample.task, "length": live.sample.length,
-                       "budget_fraction": fraction, **{f"live_{k}": v for k, v in live_result.items()},
-                       **{f"replay_{k}": v for k, v in replay_result.items()}}
-                rows.append(row)
-                if progress is not None:
-                    progress(row)
-    finally:
-        live.close()
-    column = lambda key: np.array([row[key] for row in rows], np.float64)  # noqa: E731
-    live_returns, replay_returns = column("live_return"), column("replay_return")
-    within = [spearman([r["live_return"] for r in rows if r["episode"] == e],
-                       [r["replay_return"] for r in rows if r["episode"] == e]) for e in range(episodes)]
-    within = [w for w in within if not math.isnan(w)]
-    live_kl, replay_kl, proxy = column("live_kl"), column("replay_kl"), column("replay_kl_proxy")
-    fit = float(live_kl @ proxy / (proxy @ proxy)) if float(proxy @ proxy) > 0 else float("nan")
-    rate = lambda prefix: float(column(f"{prefix}_steps").sum() / max(column(f"{prefix}_seconds").sum(), 1e-9))  # noqa: E731
-    return {
-        "spearman": spearman(live_returns, replay_returns),
-        "spearman_within_episode": float(np.mean(within)) if within else float("nan"),
-        "pearson": pearson(live_returns, replay_returns),
-        "spearman_kl": spearman(live_kl, replay_kl),
-        "kl_scale_fit": fit,
-        "live_steps_per_s": rate("live"), "replay_steps_per_s": rate("replay"),
-        "policies": list(controllers), "episodes": episodes, "pairs": len(rows),
-        "seconds": time.perf_counter() - start, "trace_seconds": trace_seconds, "rows": rows,
-    }
-
-
-def replay_returns(traces, policies: Sequence[str], budgets: Sequence[float] = (0.125, 0.25, 0.5),
-                   env_kwargs: dict | None = None) -> dict:
-    """Mean episode return, KL and lost mass of each policy (``make_policy`` specs) on the replay env, over every
-    trace × budget (the same episodes for every policy; deterministic policies give deterministic numbers)."""
-    env = PagedKVCacheReplayEnv(traces, **(env_kwargs or {}))
-    table = {}
-    for spec in policies:
-        per_budget = {}
-        for budget in budgets:
-            results = [run_episode(env, make_policy(spec), np.random.default_rng(index),
-                                   options={"trace": index, "budget_fraction": float(budget)})
-                       for index in range(len(env.sources))]
-            per_budget[str(budget)] = {key: float(np.mean([r[key] for r in results]))
-                                       for key in ("return", "kl", "lost_mass", "fallbacks")}
-        table[spec] = per_budget
-    return {"episodes_per_budget": len(env.sources), "budgets": list(budgets), "policies": table}
-
+        self._own_traces.clear()

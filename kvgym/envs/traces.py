@@ -19,7 +19,7 @@ after every forward pass ``t`` (each prefill chunk, each decode step):
 It is saved as one ``torch.save`` of a plain dict (tensors + a metadata dict; ``torch.load(weights_only=True)``
 reads it). ``kvgym traces build`` writes ``<task>_<length>_<index>.pt`` files and ``index.json``.
 
-The recording reuses ``agents.baselines.oracle.TraceRecorder`` (one decision per forward pass, nothing
+The recording reuses ``cache.trace.TraceRecorder`` (one decision per forward pass, nothing
 evicted) and extends it with the per-forward query count and latest query; it replays the live env's own
 forward passes (``_env_forwards``: the env keeps kvgym's earlier streaming order, the first answer token from
 the last prompt chunk, until it moves to the runner's protocols).
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from agents.baselines.oracle import TraceRecorder
 from cache.controller import CacheView, Decision
 from cache.paged_cache import CacheConfig, PagedKVCache
+from cache.trace import TraceRecorder
 
 TRACE_FORMAT = "kvgym-trace"
 TRACE_VERSION = 1

@@ -42,7 +42,8 @@ def _replay_rate(traces, steps: int, env_kwargs: dict) -> dict:
 def bench_env(smollm2=None, num_envs=(4, 8), live_steps: int = 40, replay_steps: int = 3000, traces=None,
               correlation_episodes: int = 3, task: str = "passkey", length: int = 1024, progress=print) -> dict:
     """``smollm2``: a ``LoadedModel`` (None: the tiny model only). ``traces``: a replay trace folder (None: one
-    trace of a SmolLM2 sample is built here). ``correlation_episodes`` 0 skips the correlation.
+    trace of a SmolLM2 sample is built here, and none without SmolLM2); the replay rate is measured over the whole
+    folder, after the env has prepared its traces. ``correlation_episodes`` 0 skips the correlation.
 
     Live rates count env steps over random legal actions, ``live_steps`` per env (about two 1024-token episodes:
     prefill chunks and decode steps), including each new sample's full-cache reference pass (one sequence at a
@@ -50,8 +51,8 @@ def bench_env(smollm2=None, num_envs=(4, 8), live_steps: int = 40, replay_steps:
     import torch
 
     from cache.models import tiny_random_llama
+    from eval.replay_compare import replay_live_correlation
     from eval.tasks.base import get_task
-    from kvgym.envs.replay import replay_live_correlation
     from kvgym.envs.traces import build_trace
 
     env_kwargs = dict(tasks=(task,), lengths=(length,), budget_range=(0.125, 0.5), num_candidates=32,
@@ -75,17 +76,20 @@ def bench_env(smollm2=None, num_envs=(4, 8), live_steps: int = 40, replay_steps:
         if traces is None:
             sample = get_task(task)(tokenizer, length, 7, 0)
             traces = [build_trace(smollm2.model, tokenizer, sample, prefill_chunk=64)]
-        row = {"model": "smollm2-135m", **_replay_rate(traces, replay_steps, env_kwargs)}
+    if traces is not None:
+        row = {"model": "smollm2-135m" if smollm2 is not None else "traces", "traces": str(traces) if
+               isinstance(traces, (str, Path)) else len(traces), **_replay_rate(traces, replay_steps, env_kwargs)}
         report["rows"].append(row)
         progress(row)
+    if smollm2 is not None:
         if correlation_episodes > 0:
             correlation = replay_live_correlation(smollm2.model, tokenizer, episodes=correlation_episodes,
                                                   tasks=(task,), lengths=(length,))
             report["correlation"] = {k: v for k, v in correlation.items() if k != "rows"}
             progress(report["correlation"])
     report["seconds"] = time.perf_counter() - start
-    rates = {(r["model"], r["mode"], r["num_envs"]): r["steps_per_s"] for r in report["rows"]}
-    report["replay_target_met"] = rates.get(("smollm2-135m", "replay", 1), 0.0) >= 1000
+    replay = [row["steps_per_s"] for row in report["rows"] if row["mode"] == "replay"]
+    report["replay_target_met"] = bool(replay) and min(replay) >= 2000
     return report
 
 
