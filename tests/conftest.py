@@ -35,3 +35,24 @@ def alice_text() -> str:
     from pathlib import Path
 
     return (Path(__file__).resolve().parents[1] / "eval" / "data" / "alice29.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random 2-layer Llama saved with SmolLM2's tokenizer files: a real folder model that loads in seconds."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cache.models import ensure_smollm2
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    source = ensure_smollm2()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cache.models import SMOLLM2_FOLDER, _write_manifest, ensure_smollm2
+from cache.models import SMOLLM2_FOLDER, _write_manifest
 from kvgym.cli import main
 from tests.test_env import ByteTokenizer, make_env  # noqa: F401  (registers the toy_recall task)
 
@@ -27,21 +27,6 @@ TINY_TRAIN = ["traces.tasks=[toy_recall]", "traces.lengths=[160]", "traces.n=2",
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A random 2-layer Llama saved with SmolLM2's tokenizer files: a real folder model that loads in seconds."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    source = ensure_smollm2()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, folder / name)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

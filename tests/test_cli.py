@@ -1,28 +1,10 @@
 """The `kvgym` command line on a tiny local checkpoint (a random 2-layer Llama with SmolLM2's tokenizer)."""
 
 import json
-import shutil
 
 import pytest
 
-from cache.models import ensure_smollm2
 from kvgym.cli import main, parse_budget
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    source = ensure_smollm2()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, folder / name)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def test_generate_prints_text_and_cache_state(tiny_checkpoint, tmp_path, capsys):
