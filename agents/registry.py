@@ -41,10 +41,11 @@ CONTROLLERS: dict[str, str] = {
     "observed_attention": "agents.baselines.observed_attention:ObservedAttention",
     "oracle": "agents.baselines.oracle:Oracle",
     "ppo": "agents.ppo.controller:PPOController",
+    "ranker": "agents.ranker.controller:RankerController",
 }
 
 
-LEARNED = {"ppo"}  # controllers loaded from a trained file (the rest are the baselines)
+LEARNED = {"ppo", "ranker"}  # controllers loaded from a trained file (the rest are the baselines)
 BASELINES = sorted(set(CONTROLLERS) - LEARNED)
 
 POSITIONAL = "<positional>"  # parse_spec's key for a bare first value

@@ -230,6 +230,29 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. total_timesteps=20000 ppo.learning_rate=1e-4 name=try2")
 
+    ranker = commands.add_parser("ranker", help="the ranking policy: collect decision points, train it (agents.ranker)")
+    ranker_kinds = ranker.add_subparsers(dest="ranker", required=True)
+    ranker_collect = ranker_kinds.add_parser(
+        "collect", help="oneshot-question decision points of task samples: block features + future attention (.pt)")
+    _add_model_args(ranker_collect)
+    ranker_collect.add_argument("--tasks", default="passkey,niah_single,niah_multikey,niah_multivalue,vt")
+    ranker_collect.add_argument("--lengths", type=parse_int_list, default=[2048])
+    ranker_collect.add_argument("--n", type=int, default=12, help="samples per task and length")
+    ranker_collect.add_argument("--seed", type=int, default=101,
+                                help="draws the samples: keep it apart from the seeds you evaluate on")
+    ranker_collect.add_argument("--no-chat", action="store_true", help="plain prompts (default: the chat template)")
+    ranker_collect.add_argument("--block-size", type=int, default=16)
+    ranker_collect.add_argument("--out", type=Path, required=True, help="folder of .pt files (reruns resume)")
+    ranker_train = ranker_kinds.add_parser("train", help="warm start on the oracle, then policy gradient on the regret")
+    ranker_train.add_argument("--train", type=Path, required=True, help="a folder from `kvgym ranker collect`")
+    ranker_train.add_argument("--validation", type=Path, required=True,
+                              help="another folder (other samples): picks the checkpoint")
+    ranker_train.add_argument("--warm-epochs", type=int, default=30)
+    ranker_train.add_argument("--rl-epochs", type=int, default=30)
+    ranker_train.add_argument("--seed", type=int, default=0)
+    ranker_train.add_argument("--out", type=Path, required=True,
+                              help="run folder: ranker.pt, warm_start.pt, metrics.jsonl, tensorboard/, summary.json")
+
     peer = commands.add_parser("peer", help="kvgym's eval results beside kvpress's on the same samples (Markdown)")
     peer.add_argument("--samples", type=Path, required=True, help="a samples.jsonl written by kvgym eval")
     peer.add_argument("--peer", type=Path, required=True,
@@ -488,6 +511,36 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_ranker(args) -> int:
+    if args.ranker == "train":
+        from agents.ranker.train import train
+        from kvgym.envs.decisions import load_records
+
+        sets = {}
+        for name in ("train", "validation"):
+            folder = getattr(args, name)
+            paths = sorted(folder.glob("*.pt")) if folder.is_dir() else []
+            if not paths:
+                raise ValueError(f"--{name} {folder}: no decision points (.pt) there; make them with `kvgym ranker collect`")
+            sets[name] = load_records(paths)
+        summary = train(sets["train"], sets["validation"], args.out, warm_epochs=args.warm_epochs,
+                        rl_epochs=args.rl_epochs, seed=args.seed)
+        print(json.dumps(summary["best"]), f"-> {args.out / 'ranker.pt'}")
+        return 0
+    from cache.models import load_model
+    from eval.tasks.base import get_task
+    from kvgym.envs.decisions import collect
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    for task in tasks:
+        get_task(task)  # an unknown task fails before the model is loaded
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    paths = collect(loaded.model, loaded.tokenizer, tasks, args.lengths, args.n, args.seed, args.out,
+                    chat=not args.no_chat, block_size=args.block_size)
+    print(f"{len(paths)} decision points in {args.out}")
+    return 0
+
+
 def cmd_tensorboard(args) -> int:
     import subprocess
 
@@ -513,7 +566,7 @@ def cmd_peer(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth,
-                "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "tensorboard": cmd_tensorboard,
+                "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "ranker": cmd_ranker, "tensorboard": cmd_tensorboard,
                 "peer": cmd_peer}
     from cache.models import ModelBuildError
 

@@ -14,6 +14,8 @@ Per step, in nats and MB:
 
 from __future__ import annotations
 
+import torch
+
 REWARD_TERMS = ("kl", "mass", "bytes", "task")
 
 
@@ -27,3 +29,24 @@ def reward_terms(kl: float, bytes_moved: float, task_score: float = 0.0, lost_ma
 def reward(terms: dict[str, float]) -> float:
     """The step's reward: the sum of its ``reward_terms``."""
     return float(sum(terms[name] for name in REWARD_TERMS))
+
+
+def ranking_regret(scores, future_mass, room, candidates):
+    """The regret of keeping the top-``room`` ``scores`` among ``candidates`` (the ranking action,
+    ``kvgym.envs.ranking``), exact from a trace: the future attention mass of the candidates left off the device,
+    **minus what the future-attention oracle (keeping the ``room`` candidates of largest future mass) leaves
+    off from the same state**, divided by the candidates' total future mass, so samples and budgets compare
+    (0 = the oracle's choice, 1 = everything lost). Batched: ``scores``, ``future_mass`` ``[..., N]`` torch
+    tensors, ``room`` ``[...]`` ints (blocks to keep besides the pinned ones), ``candidates`` ``[..., N]`` bool;
+    returns ``[...]``."""
+    mass = torch.where(candidates, future_mass.float().clamp(min=0), torch.zeros(()))
+    total = mass.sum(dim=-1)
+    ranks = torch.arange(mass.shape[-1]).expand_as(mass)
+    room = torch.as_tensor(room)[..., None]
+
+    def kept(values: torch.Tensor) -> torch.Tensor:
+        order = torch.sort(torch.where(candidates, values.float(), torch.tensor(-torch.inf)), dim=-1,
+                           descending=True, stable=True).indices
+        return torch.gather(mass, -1, order).masked_fill(ranks >= room, 0.0).sum(dim=-1)
+
+    return ((kept(future_mass) - kept(scores)) / total.clamp(min=1e-12)).clamp(min=0.0)  # >= 0 up to rounding

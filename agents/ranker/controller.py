@@ -1,0 +1,33 @@
+"""A trained ranking policy as a cache ``Controller``: at every decision point it scores every block of every
+layer (``kvgym.envs.ranking.block_features``) and keeps each layer's top-b on device (``keep_top``): it evicts,
+merges, prefetches and keeps by itself, with no budget fallback left to act."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from agents.ranker.model import load_ranker
+from cache.controller import CacheView, Decision
+from kvgym.envs.ranking import block_features, keep_top
+
+
+@dataclass
+class RankerController:
+    positional_parameter = "path"
+    path: str = "policies/ranker_smollm2.pt"
+    merge: bool = True  # false: never merge (evict whatever falls out)
+    _model: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        self._model, self.summary = load_ranker(self.path)
+
+    @torch.no_grad()
+    def scores(self, view: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[L, N]`` keep scores and merge logits of every block."""
+        return self._model(torch.from_numpy(block_features(view)))
+
+    def decide(self, view: CacheView) -> list[Decision]:
+        keep, merge = self.scores(view)
+        return keep_top(view, keep, merge if self.merge else None)

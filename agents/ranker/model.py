@@ -1,0 +1,115 @@
+"""The ranking policy's network and its file.
+
+``BlockScorer`` is one small MLP applied to every block's ``RANK_FEATURES`` row (shared across blocks and
+layers, so it fits any context length and layer count): a keep score per block (the cache keeps each layer's
+top-b) and a merge logit (merge instead of evict when the block falls out). Inputs are standardised with the
+training set's mean and standard deviation, stored in the file.
+
+The file is one ``torch.save`` of plain tensors and strings (``torch.load(weights_only=True)``: no pickled
+code): ``format``, ``version``, the feature names, the architecture, the weights, the sha256 of the weights,
+and the training run's summary. A file that is missing, corrupt, foreign, fails its checksum or was trained
+on other features is refused with a ``PolicyFileError`` before anything is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvgym.envs.ranking import RANK_FEATURES
+
+RANKER_FORMAT = "kvgym-ranker"
+RANKER_VERSION = 1
+
+
+class PolicyFileError(ValueError):
+    """A policy file that cannot be used: corrupt, foreign, or made for other features."""
+
+
+class BlockScorer(nn.Module):
+    def __init__(self, num_features: int = len(RANK_FEATURES), hidden: int = 64):
+        super().__init__()
+        self.num_features, self.hidden = num_features, hidden
+        self.register_buffer("feature_mean", torch.zeros(num_features))
+        self.register_buffer("feature_std", torch.ones(num_features))
+        self.body = nn.Sequential(nn.Linear(num_features, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
+        self.score = nn.Linear(hidden, 1)
+        self.merge = nn.Linear(hidden, 1)
+        nn.init.constant_(self.merge.bias, -3.0)  # evict unless taught otherwise
+
+    def set_normalisation(self, features: torch.Tensor) -> None:
+        """Standardise inputs with the mean and std of ``features`` ``[..., F]`` (constant columns: std 1)."""
+        flat = features.reshape(-1, self.num_features).float()
+        self.feature_mean.copy_(flat.mean(dim=0))
+        std = flat.std(dim=0)
+        self.feature_std.copy_(torch.where(std > 1e-6, std, torch.ones_like(std)))
+
+    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[..., F]`` → keep scores and merge logits, each ``[...]``."""
+        hidden = self.body((features.float() - self.feature_mean) / self.feature_std)
+        return self.score(hidden).squeeze(-1), self.merge(hidden).squeeze(-1)
+
+
+def _weights_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({name: state[name] for name in sorted(state)}, buffer)
+    return buffer.getvalue()
+
+
+def save_ranker(model: BlockScorer, path: str | Path, summary: dict | None = None) -> Path:
+    """Write ``model`` to ``path`` atomically (a kill leaves the old file or the new one, never half of it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+    payload = {
+        "format": RANKER_FORMAT, "version": RANKER_VERSION, "features": list(RANK_FEATURES),
+        "hidden": model.hidden, "state_dict": state,
+        "weights_sha256": hashlib.sha256(_weights_bytes(state)).hexdigest(),
+        "summary": json.dumps(summary or {}, default=str),
+    }
+    fd, tmp = tempfile.mkstemp(suffix=".pt", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(payload, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_ranker(path: str | Path) -> tuple[BlockScorer, dict]:
+    """``(model, summary)`` from a ranker file, checked; ``PolicyFileError`` otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise PolicyFileError(f"ranker file {path} does not exist (train one with `kvgym ranker train`)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged file)
+        raise PolicyFileError(f"ranker file {path} is corrupt or not a torch file ({type(error).__name__}); "
+                              "refusing it") from None
+    if not isinstance(payload, dict) or payload.get("format") != RANKER_FORMAT:
+        raise PolicyFileError(f"{path} is not a kvgym ranker file (format {RANKER_FORMAT!r})")
+    if payload.get("version") != RANKER_VERSION:
+        raise PolicyFileError(f"{path}: ranker file version {payload.get('version')!r}; this kvgym reads "
+                              f"v{RANKER_VERSION}")
+    if payload.get("features") != list(RANK_FEATURES):
+        raise PolicyFileError(f"{path}: trained on other block features than this kvgym computes; retrain it")
+    state = payload.get("state_dict")
+    if not isinstance(state, dict) or hashlib.sha256(_weights_bytes(state)).hexdigest() != payload.get("weights_sha256"):
+        raise PolicyFileError(f"ranker file {path}: the weights do not match their recorded sha256; refusing it")
+    model = BlockScorer(len(RANK_FEATURES), int(payload["hidden"]))
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        raise PolicyFileError(f"ranker file {path}: weights do not fit the network ({error})") from None
+    model.eval()
+    return model, json.loads(payload.get("summary") or "{}")

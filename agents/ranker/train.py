@@ -1,0 +1,162 @@
+"""Training the ranking policy on exact, per-decision rewards from full-cache traces.
+
+**Decision points** (``collect``): for each training sample, the ``oneshot-question`` protocol's one decision
+(the prompt but its last token prefilled densely, so the question's queries are in the statistics): every
+block's ``block_features`` there, and its **future attention**, per query head: the mass the full cache's
+last prompt token and greedy answer give each block (``[L, H, N]``). One ``.pt`` file per sample, written
+once (a killed collection resumes where it stopped).
+
+**Reward** (``kvgym.envs.reward.ranking_regret``): per layer, the future mass (max over query heads: retrieval
+heads count) of the blocks a ranking leaves off the device, minus what the future-attention oracle leaves off
+from the same state, over the layer's total: 0 is the oracle, samples and budgets compare. A decision is
+one layer of one sample at one budget (0.125 / 0.25 / 0.5 of the context): a contextual bandit, so credit
+assignment is exact.
+
+**Training** (``train``), after KVP (arXiv 2602.10238) and the warm-start advice of ``research/rl.md`` §8:
+
+1. warm start: listwise cross-entropy between the softmax of the scores and the normalised future mass of
+   each layer's candidates (imitating the oracle);
+2. policy gradient on the regret: a ranking is sampled from the Plackett–Luce distribution of the scores
+   (Gumbel top-k), its kept set scored by ``ranking_regret``, REINFORCE with a leave-one-out baseline over the
+   ``samples`` rankings drawn per decision.
+
+Every epoch logs the validation regret of the deterministic top-b (and of single heuristic features on the
+same decisions, for comparison) to TensorBoard and ``metrics.jsonl``; the best checkpoint by validation regret
+is saved (``save_ranker``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from agents.ranker.model import BlockScorer, save_ranker
+from kvgym.envs.decisions import BUDGETS, Decisions
+from kvgym.envs.ranking import RANK_FEATURES
+
+# single features that are themselves a heuristic's ranking, for the validation table
+HEURISTIC_COLUMNS = {
+    "window_mean (SnapKV-like, no pooling)": "last_mean_rank",
+    "window_max": "last_max_rank",
+    "last_query_mean (TOVA)": "last_query_mean_rank",
+    "observed_mean (observed attention)": "observed_mean_rank",
+    "key_norm (Knorm)": "key_norm_rank",
+    "key_distinct (KeyDiff-like)": "key_distinct_rank",
+}
+
+
+# ------------------------------------------------------------------------------------------------ train
+def regret_table(decisions: Decisions, model: BlockScorer | None) -> dict[str, dict[str, float]]:
+    """Mean regret of the deterministic top-b per budget on ``decisions``: ``model`` and each single heuristic
+    feature of ``HEURISTIC_COLUMNS``."""
+    methods = {name: decisions.features[..., RANK_FEATURES.index(column)] for name, column in HEURISTIC_COLUMNS.items()}
+    if model is not None:
+        with torch.no_grad():
+            methods = {"ranker": model(decisions.features)[0], **methods}
+    table = {}
+    for name, scores in methods.items():
+        regret = decisions.regret(scores)
+        table[name] = {str(b): float(regret[decisions.budget == b].mean()) for b in BUDGETS} | {"all": float(regret.mean())}
+    return table
+
+
+def listwise_loss(scores: torch.Tensor, mass: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    target = torch.where(candidates, mass.clamp(min=0), torch.zeros(()))
+    target = target / target.sum(dim=-1, keepdim=True).clamp(min=1e-12)
+    log_q = torch.log_softmax(scores.masked_fill(~candidates, -1e9), dim=-1)
+    return -(target * log_q.masked_fill(~candidates, 0.0)).sum(dim=-1).mean()
+
+
+def plackett_luce_topk(scores: torch.Tensor, candidates: torch.Tensor, room: torch.Tensor, samples: int,
+                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``samples`` rankings per row drawn from the Plackett–Luce distribution of ``scores / temperature``
+    (Gumbel perturbation); returns each ranking's sort keys ``[S, R, N]`` (its top-``room`` is the kept set)
+    and the log-probability of drawing its top-``room`` in that order ``[S, R]``."""
+    logits = (scores / temperature).masked_fill(~candidates, -1e9)
+    gumbel = -torch.log(-torch.log(torch.rand(samples, *logits.shape).clamp(1e-9, 1 - 1e-9)))
+    keys = (logits.detach() + gumbel).masked_fill(~candidates, -torch.inf)
+    order = torch.argsort(keys, dim=-1, descending=True)
+    ordered = torch.gather(logits.expand(samples, -1, -1), -1, order)
+    suffix = torch.logcumsumexp(ordered.flip(-1), dim=-1).flip(-1)  # log Σ over the not-yet-drawn
+    steps = torch.arange(logits.shape[-1])
+    take = (steps < room[:, None]) & torch.gather(candidates.expand(samples, -1, -1), -1, order)
+    return keys, ((ordered - suffix) * take).sum(dim=-1)
+
+
+def train(records: list[dict], validation: list[dict], out: str | Path, warm_epochs: int = 30, rl_epochs: int = 30,
+          samples: int = 8, batch: int = 256, lr: float = 3e-3, rl_lr: float = 1e-3, hidden: int = 64,
+          seed: int = 0, log=print) -> dict:
+    """Train a ``BlockScorer`` (warm start, then policy gradient); writes ``out/ranker.pt`` (best by validation
+    regret), ``out/warm_start.pt`` (the warm start alone), ``out/metrics.jsonl``, TensorBoard events and
+    ``out/summary.json``."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    torch.manual_seed(seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data, held = Decisions(records), Decisions(validation)
+    model = BlockScorer(len(RANK_FEATURES), hidden)
+    model.set_normalisation(data.features[data.candidates])
+    writer = SummaryWriter(str(out / "tensorboard"))
+    metrics = (out / "metrics.jsonl").open("w")
+    best = {"regret": math.inf}
+    summary = {"train_rows": len(data), "validation_rows": len(held), "train_samples": len(records),
+               "validation_samples": len(validation), "budgets": list(BUDGETS)}
+
+    def evaluate(epoch: int, stage: str, loss: float) -> None:
+        model.eval()
+        table = regret_table(held, model)
+        regret = table["ranker"]["all"]
+        row = {"epoch": epoch, "stage": stage, "loss": loss, "validation_regret": regret,
+               "validation_regret_by_budget": {k: v for k, v in table["ranker"].items() if k != "all"}}
+        metrics.write(json.dumps(row) + "\n")
+        metrics.flush()
+        writer.add_scalar("ranker/validation_regret", regret, epoch)
+        writer.add_scalar(f"ranker/{stage}_loss", loss, epoch)
+        if regret < best["regret"]:
+            best.update(regret=regret, epoch=epoch, stage=stage)
+            save_ranker(model, out / "ranker.pt", {**summary, "best": dict(best)})
+        log(f"{stage} epoch {epoch}: loss {loss:.4f}  validation regret {regret:.4f}")
+        model.train()
+
+    optimiser = torch.optim.Adam(model.parameters(), lr=lr)
+    epoch = 0
+    evaluate(epoch, "init", float("nan"))
+    for _ in range(warm_epochs):
+        epoch += 1
+        total = 0.0
+        for rows in torch.randperm(len(data)).split(batch):
+            scores, _ = model(data.features[rows])
+            loss = listwise_loss(scores, data.mass[rows], data.candidates[rows])
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            total += float(loss.detach()) * len(rows)
+        evaluate(epoch, "warm", total / len(data))
+    save_ranker(model, out / "warm_start.pt", {**summary, "stage": "warm start only", "epochs": warm_epochs})
+    summary["warm_start_validation"] = regret_table(held, model)["ranker"]
+
+    optimiser = torch.optim.Adam(model.parameters(), lr=rl_lr)
+    for _ in range(rl_epochs):
+        epoch += 1
+        total = 0.0
+        for rows in torch.randperm(len(data)).split(batch):
+            scores, _ = model(data.features[rows])
+            keys, log_prob = plackett_luce_topk(scores, data.candidates[rows], data.room[rows], samples)
+            with torch.no_grad():
+                reward = -torch.stack([data.regret(k, rows) for k in keys])  # [S, R]
+                baseline = (reward.sum(dim=0, keepdim=True) - reward) / (samples - 1)  # leave-one-out
+            loss = -((reward - baseline) * log_prob).mean()
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            total += float(-reward.mean()) * len(rows)
+        evaluate(epoch, "policy_gradient", total / len(data))
+    summary.update(best=best, validation=regret_table(held, None))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    writer.close()
+    metrics.close()
+    return summary

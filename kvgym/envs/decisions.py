@@ -1,0 +1,195 @@
+"""Recorded decision points for the ranking action (``kvgym.envs.ranking``), and the one-step replay env over them.
+
+**A decision point** (``decision_point``, ``collect``): for one sample, the ``oneshot-question`` protocol's one
+decision (the prompt but its last token prefilled densely, so the question's queries are in the statistics):
+every block's ``block_features`` there and its **future attention** per query head, ``[L, H, N]``: the mass
+the full cache's last prompt token and greedy answer give each block. One ``.pt`` file per sample, written once
+(a killed collection resumes where it stopped).
+
+**A decision** (``Decisions``): one layer of one decision point at one budget (a fraction of the context).
+Its reward is exact: ``-ranking_regret`` (``kvgym.envs.reward``), the future mass (max over query heads:
+retrieval heads count) the kept set leaves off the device, minus the future-attention oracle's, over the
+layer's total. Layers are independent once per-layer budgets are fixed, so a decision is a contextual bandit.
+
+``RankingReplayEnv`` serves those decisions as one-step Gymnasium episodes: the observation is the layer's
+block features (padded to ``max_blocks``) and its candidate mask, the action a keep score per block.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium import spaces
+
+from cache.controller import CacheView
+from cache.paged_cache import CacheConfig
+from cache.runner import Runner, budget_blocks
+from cache.tiers import Tier
+from kvgym.envs.ranking import BUDGET_COLUMN, PRESSURE_COLUMN, RANK_FEATURES, block_features
+from kvgym.envs.reward import ranking_regret
+
+BUDGETS = (0.125, 0.25, 0.5)
+
+
+@torch.no_grad()
+def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos_ids: set[int] | None = None) -> dict:
+    """The ``oneshot-question`` decision point of ``prompt`` (a ``cache.runner.Prompt``): features, the full
+    cache's future attention per query head, and the full cache's greedy answer."""
+    runner = Runner(model, None, CacheConfig(block_size=block_size), protocol="oneshot-question")
+    shared = runner.dense_prefill(prompt, max_new_tokens)
+    cache = shared.cache
+    num_layers = cache.num_layers
+    budget = budget_blocks(0.25, prompt.context_tokens, block_size, num_layers, cache.config.sink_blocks + 1)
+    view = CacheView.from_cache(cache, budget, phase="compress")
+    features = torch.from_numpy(block_features(view))
+    before = view.acc_mass_heads.clone()
+    n = view.num_blocks
+    token, answer = prompt.ids[-1], []
+    device = next(model.parameters()).device
+    for _ in range(max_new_tokens):
+        out = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+        token = int(out.logits[0, -1].argmax())
+        answer.append(token)
+        if eos_ids and token in eos_ids:
+            break
+    after = CacheView.from_cache(cache, budget, phase="decode").acc_mass_heads[:, :, :n]
+    return {
+        "features": features.half(), "future_heads": (after - before).float(), "context_tokens": prompt.context_tokens,
+        "device_blocks": (view.tier == Tier.DEVICE).sum(dim=1), "sink_blocks": cache.config.sink_blocks,
+        "block_size": block_size, "answer": torch.tensor(answer), "prefill_s": shared.seconds,
+    }
+
+
+def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed: int, out: str | Path,
+            chat: bool = True, block_size: int = 16, max_new_tokens: int = 24, log=print) -> list[Path]:
+    """Decision points of ``n`` samples per task × length (task seed ``seed``) into ``out``; existing files
+    are kept (resume)."""
+    from eval.tasks import generate
+    from eval.tasks.prompt import build_prompt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    paths = []
+    for task in tasks:
+        for length in lengths:
+            for index in range(n):
+                path = out / f"{task}_{length}_s{seed}_{index}.pt"
+                paths.append(path)
+                if path.is_file():
+                    continue
+                sample = generate(task, tokenizer, length, seed=seed, index=index)
+                start = time.perf_counter()
+                record = decision_point(model, build_prompt(tokenizer, sample, chat),
+                                        min(sample.max_new_tokens, max_new_tokens), block_size, eos)
+                record.update(task=task, length=length, seed=seed, index=index)
+                tmp = path.with_suffix(".tmp")
+                torch.save(record, tmp)
+                tmp.replace(path)
+                log(f"{path.name}: {record['features'].shape[1]} blocks, {time.perf_counter() - start:.1f} s")
+    return paths
+
+
+class Decisions:
+    """Padded tensors of decision points × budgets, one row per (sample, budget, layer):
+    ``features`` ``[R, N, F]``, ``mass`` ``[R, N]`` (future mass, max over query heads), ``candidates``
+    ``[R, N]`` (valid, not pinned), ``room`` ``[R]`` (blocks kept besides the pinned), ``budget`` ``[R]``."""
+
+    def __init__(self, records: list[dict], budgets=BUDGETS):
+        width = max(int(r["features"].shape[1]) for r in records)
+        rows = {"features": [], "mass": [], "candidates": [], "room": [], "budget": []}
+        for record in records:
+            features = record["features"].float()
+            num_layers, n, _ = features.shape
+            mass = record["future_heads"].amax(dim=1)  # [L, N]
+            pinned = torch.zeros(n, dtype=torch.bool)
+            pinned[: int(record["sink_blocks"])] = True
+            pinned[n - 1] = True
+            valid = features[..., RANK_FEATURES.index("valid")] > 0
+            candidates = valid & ~pinned
+            for fraction in budgets:
+                blocks = torch.tensor(budget_blocks(fraction, int(record["context_tokens"]), int(record["block_size"]),
+                                                    num_layers, int(record["sink_blocks"]) + 1))
+                x = features.clone()
+                x[..., BUDGET_COLUMN] = (blocks / n)[:, None]
+                x[..., PRESSURE_COLUMN] = (record["device_blocks"] / blocks.clamp(min=1))[:, None]
+                pad = width - n
+                rows["features"].append(torch.nn.functional.pad(x, (0, 0, 0, pad)))
+                rows["mass"].append(torch.nn.functional.pad(mass, (0, pad)))
+                rows["candidates"].append(torch.nn.functional.pad(candidates, (0, pad)))
+                rows["room"].append((blocks - (valid & pinned).sum(dim=1)).clamp(min=0))
+                rows["budget"].append(torch.full((num_layers,), fraction))
+        self.features = torch.cat(rows["features"])
+        self.mass = torch.cat(rows["mass"])
+        self.candidates = torch.cat(rows["candidates"])
+        self.room = torch.cat(rows["room"])
+        self.budget = torch.cat(rows["budget"])
+
+    def __len__(self) -> int:
+        return int(self.room.shape[0])
+
+    def regret(self, scores: torch.Tensor, rows=slice(None)) -> torch.Tensor:
+        return ranking_regret(scores, self.mass[rows], self.room[rows], self.candidates[rows])
+
+
+def load_records(paths: list[Path]) -> list[dict]:
+    return [torch.load(path, weights_only=True) for path in paths]
+
+
+class RankingReplayEnv(gym.Env):
+    """One-step episodes over recorded decisions: observe one layer's blocks, score them, get ``-regret``.
+
+    ``observation``: ``blocks`` ``[max_blocks, F]`` (``RANK_FEATURES``; padding rows are 0) and
+    ``candidates`` ``[max_blocks]`` (1 = may be kept or evicted; pinned and padding rows are 0).
+    ``action``: a keep score per block (``Box(-1, 1)``; only their order matters: the kept set is the top
+    ``room`` candidates).
+    ``reward``: ``-ranking_regret`` (0 = the future-attention oracle's choice); ``info`` has the regret, the
+    budget and the decision's index. Episodes are drawn uniformly (``reset(seed=...)`` seeds the draw).
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, decisions: Decisions, max_blocks: int | None = None):
+        self.decisions = decisions
+        self.max_blocks = max_blocks or int(decisions.features.shape[1])
+        if self.max_blocks < decisions.features.shape[1]:
+            raise ValueError(f"max_blocks {self.max_blocks} is below the decisions' {decisions.features.shape[1]} blocks")
+        big = 1e4
+        self.observation_space = spaces.Dict({
+            "blocks": spaces.Box(-big, big, (self.max_blocks, len(RANK_FEATURES)), np.float32),
+            "candidates": spaces.Box(0.0, 1.0, (self.max_blocks,), np.float32),
+        })
+        # only the order of the scores matters: [-1, 1] suits a Gaussian policy (any finite score is accepted)
+        self.action_space = spaces.Box(-1.0, 1.0, (self.max_blocks,), np.float32)
+        self._row = None
+
+    def _observation(self) -> dict[str, np.ndarray]:
+        width = self.decisions.features.shape[1]
+        blocks = np.zeros((self.max_blocks, len(RANK_FEATURES)), np.float32)
+        candidates = np.zeros(self.max_blocks, np.float32)
+        blocks[:width] = self.decisions.features[self._row].numpy()
+        candidates[:width] = self.decisions.candidates[self._row].numpy()
+        return {"blocks": blocks, "candidates": candidates}
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self._row = int((options or {}).get("row", self.np_random.integers(len(self.decisions))))
+        return self._observation(), {"row": self._row, "budget": float(self.decisions.budget[self._row])}
+
+    def step(self, action):
+        if self._row is None:
+            raise RuntimeError("RankingReplayEnv.step before reset (or after the episode ended): call reset() first")
+        action = np.asarray(action, np.float32)
+        if action.shape != (self.max_blocks,) or not np.isfinite(action).all():
+            raise ValueError(f"action: expected {self.max_blocks} finite keep scores (one per block), "
+                             f"got shape {action.shape}")
+        width = self.decisions.features.shape[1]
+        row, observation = self._row, self._observation()
+        regret = float(self.decisions.regret(torch.from_numpy(action[None, :width]), slice(row, row + 1))[0])
+        self._row = None  # one step per episode
+        return observation, -regret, True, False, {"regret": regret, "row": row,
+                                                   "budget": float(self.decisions.budget[row])}

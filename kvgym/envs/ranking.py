@@ -1,0 +1,146 @@
+"""The ranking action: at a decision point a policy scores **every block of every layer** (resident and
+offloaded) and the cache keeps the top-b of each layer on device.
+
+- ``block_features(view)`` → ``[L, N, F]`` float32, one row of ``RANK_FEATURES`` per block: the numbers the
+  field's heuristics rank by (window, last-query and accumulated attention, mean and max over query heads, as
+  log shares of the layer and as within-layer ranks; key norm, key distinctiveness, query similarity), the
+  block's place (position, distance from the end, sink, layer depth), its tier, the phase, and its layer's
+  memory pressure and budget. A pure function of a ``CacheView``: the env, the training data and the
+  controller loaded into the cache all see the same numbers.
+- ``keep_top(view, scores, merge)`` → the ``Decision``s that make each layer's device set its pinned blocks
+  (sinks, the newest block) plus its best-scoring other blocks up to the budget: blocks that fall out are
+  evicted (to the host or disk when the cache has them, else dropped), or **merged** into their neighbours
+  where ``merge`` is positive and a merge is legal; offloaded blocks that rise in are **prefetched**; the rest
+  are kept. Evict, merge, prefetch and keep are all the policy's; the budget holds without a fallback.
+
+The regret reward of a ranking lives with the other reward terms (``kvgym.envs.reward.ranking_regret``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cache.controller import PHASES, CacheView, Decision, Op
+from cache.tiers import Tier
+
+MASS_KINDS = (("last", "mean"), ("last", "max"), ("last_query", "mean"), ("last_query", "max"),
+              ("observed", "mean"), ("observed", "max"))
+RANK_FEATURES = (
+    "valid", "layer_depth", "position", "distance_from_end", "sink", "newest",
+    *[f"{kind}_{over}_{form}" for kind, over in MASS_KINDS for form in ("log_share", "rank")],
+    "key_norm_rank", "key_distinct_rank", "query_similarity", "query_similarity_rank",
+    "tier_device", "tier_host", "tier_disk", "sentence_boundary",
+    *[f"phase_{phase}" for phase in PHASES],
+    "layer_pressure", "layer_budget_fraction",
+)
+NUM_RANK_FEATURES = len(RANK_FEATURES)
+BUDGET_COLUMN = RANK_FEATURES.index("layer_budget_fraction")
+PRESSURE_COLUMN = RANK_FEATURES.index("layer_pressure")
+
+
+def within_layer_rank(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """``[L, N]`` → each valid entry's rank among its layer's valid entries, scaled to 0 (lowest) .. 1 (highest);
+    invalid entries get 0. Ties share the lower rank's order (stable)."""
+    keyed = np.where(valid, values, -np.inf)
+    ranks = np.argsort(np.argsort(keyed, axis=1, kind="stable"), axis=1, kind="stable").astype(np.float32)
+    invalid = (~valid).sum(axis=1, keepdims=True)
+    count = np.maximum(valid.sum(axis=1, keepdims=True) - 1, 1)
+    return np.where(valid, (ranks - invalid) / count, 0.0).astype(np.float32)
+
+
+def log_share(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """``[L, N]`` non-negative values → ``log(N · value / layer total + 1e-4)`` over valid entries (0 = an even
+    share; invalid entries get the floor)."""
+    values = np.where(valid, np.maximum(values, 0.0), 0.0).astype(np.float64)
+    total = values.sum(axis=1, keepdims=True)
+    share = values / np.where(total > 0, total, 1.0) * values.shape[1]
+    return np.log(share + 1e-4).astype(np.float32)
+
+
+def _mass(view: CacheView, kind: str, over: str) -> np.ndarray:
+    if kind == "observed":
+        heads = view.acc_mass_heads
+        if heads is None:
+            return np.zeros((view.num_layers, view.num_blocks), np.float32)
+        observers = view.cache.stats.observers[:, : view.num_blocks] / view.num_tokens.clamp(min=1)
+        heads = heads / observers.clamp(min=1.0)[:, None, :]
+        return (heads.mean(dim=1) if over == "mean" else heads.amax(dim=1)).numpy()
+    return view.mass(kind, over).numpy()
+
+
+def block_features(view: CacheView) -> np.ndarray:
+    """``[L, N, len(RANK_FEATURES)]`` float32 features of every block (see the module docstring)."""
+    num_layers, n = view.num_layers, view.num_blocks
+    tier = view.tier.numpy()
+    valid = (tier != Tier.DROPPED) & (view.num_tokens.numpy() > 0)
+    features = np.zeros((num_layers, n, NUM_RANK_FEATURES), np.float32)
+    column = iter(range(NUM_RANK_FEATURES))
+    blocks = np.arange(n, dtype=np.float32)
+    features[..., next(column)] = valid
+    features[..., next(column)] = (np.arange(num_layers, dtype=np.float32) / max(num_layers - 1, 1))[:, None]
+    features[..., next(column)] = (blocks / max(n - 1, 1))[None]
+    features[..., next(column)] = (np.log1p(n - 1 - blocks) / np.log1p(max(n, 1)))[None]
+    features[..., next(column)] = (blocks < view.cache.config.sink_blocks)[None]
+    features[..., next(column)] = (blocks == n - 1)[None]
+    for kind, over in MASS_KINDS:
+        mass = _mass(view, kind, over)
+        features[..., next(column)] = log_share(mass, valid)
+        features[..., next(column)] = within_layer_rank(mass, valid)
+    mean_key = view.mean_key
+    if mean_key is not None:
+        keys = mean_key.float()
+        norm = -keys.norm(dim=-1).mean(dim=-1)  # Knorm: a low key norm draws attention
+        layer_mean = (keys * torch.from_numpy(valid)[..., None, None]).sum(dim=1, keepdim=True)
+        distinct = -torch.nn.functional.cosine_similarity(keys, layer_mean, dim=-1).mean(dim=-1)  # KeyDiff
+        features[..., next(column)] = within_layer_rank(norm.numpy(), valid)
+        features[..., next(column)] = within_layer_rank(distinct.numpy(), valid)
+    else:
+        next(column), next(column)
+    similarity = view.query_similarity.numpy()
+    features[..., next(column)] = similarity
+    features[..., next(column)] = within_layer_rank(similarity, valid)
+    for tier_value in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+        features[..., next(column)] = tier == tier_value
+    features[..., next(column)] = view.sentence_boundary.numpy()[None]
+    for phase in PHASES:
+        features[..., next(column)] = view.phase == phase
+    features[..., next(column)] = view.pressure.numpy()[:, None]
+    features[..., next(column)] = (view.budget_blocks.numpy() / max(n, 1))[:, None]
+    assert next(column, None) is None, "every feature column is filled"
+    return features
+
+
+def keep_top(view: CacheView, scores, merge=None) -> list[Decision]:
+    """Decisions that leave on each layer's device its pinned blocks plus its highest ``scores`` (``[L, N]``)
+    blocks up to the layer's budget (dropped blocks cannot return). A device block that falls out is merged
+    into its neighbours where ``merge`` (``[L, N]``, optional) is > 0 and merging is legal, else evicted; an
+    offloaded block that rises in is prefetched. Order per layer: prefetches into free device slots, then
+    evictions and merges, then the prefetches that need the room they free."""
+    scores = torch.as_tensor(np.asarray(scores, np.float32))
+    if tuple(scores.shape) != (view.num_layers, view.num_blocks):
+        raise ValueError(f"ranking scores: expected shape {(view.num_layers, view.num_blocks)}, "
+                         f"got {tuple(scores.shape)}")
+    merge_wanted = None if merge is None else torch.as_tensor(np.asarray(merge, np.float32)) > 0
+    legal_merge = view.legal_ops[..., Op.MERGE] if merge_wanted is not None else None
+    decisions = []
+    for layer in range(view.num_layers):
+        tier = view.tier[layer]
+        pinned = view.pinned[layer] & (tier != Tier.DROPPED)
+        candidates = (tier != Tier.DROPPED) & ~view.pinned[layer]
+        room = max(int(view.budget_blocks[layer]) - int(pinned.sum()), 0)
+        ranked = torch.nonzero(candidates).flatten()
+        order = torch.sort(scores[layer, ranked], descending=True, stable=True).indices
+        chosen = torch.zeros_like(candidates)
+        chosen[ranked[order[:room]]] = True
+        on_device = tier == Tier.DEVICE
+        leaving = torch.nonzero(on_device & candidates & ~chosen).flatten().tolist()
+        arriving = torch.nonzero(chosen & ~on_device).flatten().tolist()
+        free = int(view.device_free[layer])
+        out = []
+        for block in leaving:
+            merge_it = merge_wanted is not None and bool(merge_wanted[layer, block]) and bool(legal_merge[layer, block])
+            out.append(Decision(layer, block, Op.MERGE if merge_it else Op.EVICT))
+        decisions += ([Decision(layer, b, Op.PREFETCH) for b in arriving[:free]] + out
+                      + [Decision(layer, b, Op.PREFETCH) for b in arriving[free:]])
+    return decisions

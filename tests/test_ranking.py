@@ -1,0 +1,237 @@
+"""The ranking action (every block scored, top-b kept per layer), its exact regret reward, the recorded decision
+points and their replay env, the ranking policy's file, training and controller."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from gymnasium.utils.env_checker import check_env
+
+from agents.ranker.controller import RankerController
+from agents.ranker.model import BlockScorer, PolicyFileError, load_ranker, save_ranker
+from agents.ranker.train import listwise_loss, plackett_luce_topk, regret_table, train
+from agents.registry import make_controller
+from cache.controller import CacheView, Op
+from cache.paged_cache import CacheConfig
+from cache.runner import Prompt, Runner
+from kvgym.envs.decisions import BUDGETS, Decisions, RankingReplayEnv, decision_point
+from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top
+from kvgym.envs.reward import ranking_regret
+from tests.test_baselines_common import Checked
+
+PROMPT = torch.randint(2, 256, (1, 200), generator=torch.Generator().manual_seed(0))
+
+
+# ------------------------------------------------------------------------------------------ the reward
+def brute_force_regret(scores, mass, room, candidates):
+    index = [i for i in range(len(mass)) if candidates[i]]
+    total = sum(mass[i] for i in index)
+    kept = sorted(index, key=lambda i: -scores[i])[:room]
+    best = max(sum(mass[i] for i in subset) for subset in itertools.combinations(index, min(room, len(index))))
+    return (best - sum(mass[i] for i in kept)) / total
+
+
+def test_ranking_regret_matches_brute_force_and_rejects_a_wrong_ranking():
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        n = 8
+        mass = torch.rand(n, generator=generator) ** 3
+        scores = torch.randn(n, generator=generator)
+        candidates = torch.rand(n, generator=generator) > 0.2
+        room = int(torch.randint(0, n, (1,), generator=generator))
+        got = float(ranking_regret(scores[None], mass[None], torch.tensor([room]), candidates[None])[0])
+        want = brute_force_regret(scores.tolist(), mass.tolist(), room, candidates.tolist())
+        assert got == pytest.approx(want, abs=1e-6)
+        assert 0.0 <= got <= 1.0
+    mass = torch.tensor([[0.0, 5.0, 1.0, 3.0, 0.5]])
+    everyone = torch.ones_like(mass, dtype=torch.bool)
+    assert float(ranking_regret(mass, mass, torch.tensor([2]), everyone)) == 0.0  # the oracle's own ranking
+    wrong = float(ranking_regret(-mass, mass, torch.tensor([2]), everyone))  # negative control: the reverse
+    assert wrong == pytest.approx((8.0 - 0.5) / 9.5)
+
+
+# ------------------------------------------------------------------------------------------ the action
+def view_after_prefill(model, host_blocks=32):
+    runner = Runner(model, cache_config=CacheConfig(host_blocks=host_blocks), protocol="oneshot-question")
+    cache = runner.dense_prefill(Prompt(PROMPT), 8).cache.clone(host_blocks=host_blocks)  # a shared prefill has no host
+    return cache, CacheView.from_cache(cache, [5, 5], phase="compress")
+
+
+def test_block_features_are_finite_and_describe_every_block(tiny_model):
+    _, view = view_after_prefill(tiny_model)
+    features = block_features(view)
+    assert features.shape == (2, view.num_blocks, len(RANK_FEATURES))
+    assert np.isfinite(features).all()
+    column = {name: i for i, name in enumerate(RANK_FEATURES)}
+    for name in RANK_FEATURES:
+        if name.endswith("_rank"):
+            assert features[..., column[name]].min() >= 0 and features[..., column[name]].max() <= 1
+    assert (features[..., column["phase_compress"]] == 1).all()
+    assert (features[..., column["tier_device"]] == 1).all()
+    # the TOVA column ranks blocks exactly as the last query's attention does
+    last_query = view.mass("last_query", "mean")
+    order = np.argsort(-features[0, :, column["last_query_mean_rank"]], kind="stable")
+    assert last_query[0, order[0]] == last_query[0].max()
+
+
+def test_keep_top_keeps_the_best_scores_and_the_pinned_blocks(tiny_model):
+    cache, view = view_after_prefill(tiny_model)
+    n = view.num_blocks
+    scores = torch.arange(n, dtype=torch.float32).flip(0).expand(2, n)  # prefers the oldest blocks
+    decisions = keep_top(view, scores)
+    assert all(d.op == Op.EVICT for d in decisions)
+    for layer in range(2):
+        evicted = sorted(d.block for d in decisions if d.layer == layer)
+        # 5 blocks: sink 0 and newest n-1 pinned, then the best three others (1, 2, 3)
+        assert evicted == list(range(4, n - 1))
+    merged = keep_top(view, scores, merge=torch.ones(2, n))
+    assert {d.op for d in merged} == {Op.MERGE}
+    with pytest.raises(ValueError, match="ranking scores"):
+        keep_top(view, scores[:, :-1])
+
+
+def test_keep_top_prefetches_offloaded_blocks_that_rise(tiny_model):
+    from cache.controller import apply_decisions
+
+    cache, view = view_after_prefill(tiny_model)
+    n = view.num_blocks
+    oldest_first = torch.arange(n, dtype=torch.float32).flip(0).expand(2, n)
+    apply_decisions(cache, keep_top(view, oldest_first))
+    view = CacheView.from_cache(cache, [5, 5], phase="compress")
+    decisions = keep_top(view, -oldest_first)  # now the newest: blocks 1-3 go, n-4..n-2 come back from the host
+    for layer in range(2):
+        assert sorted(d.block for d in decisions if d.layer == layer and d.op == Op.PREFETCH) == [n - 4, n - 3, n - 2]
+        assert sorted(d.block for d in decisions if d.layer == layer and d.op == Op.EVICT) == [1, 2, 3]
+    apply_decisions(cache, decisions)
+    after = CacheView.from_cache(cache, [5, 5], phase="compress")
+    assert ((after.tier == 0).sum(dim=1) == 5).all()
+
+
+# ------------------------------------------------------------------------------------------ decision points
+def test_future_attention_of_a_decision_point_matches_eager_attention(tiny_model):
+    """Independent reference: transformers' eager attention over the whole sequence (no paged cache)."""
+    from cache.models import tiny_random_llama
+
+    record = decision_point(tiny_model, Prompt(PROMPT), max_new_tokens=6, block_size=16)
+    answer = record["answer"].tolist()
+    reference = tiny_random_llama()
+    reference.set_attn_implementation("eager")
+    ids = torch.tensor([PROMPT[0].tolist() + answer])
+    with torch.no_grad():
+        attentions = reference(ids, output_attentions=True).attentions  # L x [1, H, T, T]
+    prompt_len, n = PROMPT.shape[1], record["future_heads"].shape[-1]
+    rows = slice(prompt_len - 1, prompt_len - 1 + len(answer))  # the last prompt token and the answer fed back
+    for layer, attention in enumerate(attentions):
+        per_token = attention[0, :, rows, : n * 16].sum(dim=1)  # [H, tokens]
+        per_block = torch.nn.functional.pad(per_token, (0, n * 16 - per_token.shape[1])).view(-1, n, 16).sum(-1)
+        assert torch.allclose(record["future_heads"][layer], per_block, atol=1e-4)
+    features = record["features"].float()
+    assert features.shape == (2, n, len(RANK_FEATURES)) and torch.isfinite(features).all()
+
+
+def synthetic_records(count: int, seed: int, signal: str = "last_mean_log_share"):
+    """Decision points whose future mass is visible (with noise) in one feature column."""
+    generator = torch.Generator().manual_seed(seed)
+    records = []
+    for _ in range(count):
+        n = 24
+        features = torch.randn(2, n, len(RANK_FEATURES), generator=generator)
+        features[..., RANK_FEATURES.index("valid")] = 1.0
+        mass = torch.rand(2, 3, n, generator=generator) ** 6
+        log_share = torch.log(mass.amax(dim=1) + 1e-4)
+        features[..., RANK_FEATURES.index(signal)] = log_share + 0.3 * torch.randn(2, n, generator=generator)
+        records.append({"features": features.half(), "future_heads": mass, "context_tokens": n * 16,
+                        "device_blocks": torch.tensor([n, n]), "sink_blocks": 1, "block_size": 16})
+    return records
+
+
+def test_replay_env_passes_the_checker_and_pays_the_oracle_zero():
+    decisions = Decisions(synthetic_records(3, 0))
+    assert len(decisions) == 3 * len(BUDGETS) * 2
+    env = RankingReplayEnv(decisions, max_blocks=32)
+    check_env(env, skip_render_check=True)
+    observation, info = env.reset(seed=0, options={"row": 4})
+    oracle = np.zeros(32, np.float32)
+    oracle[:24] = decisions.mass[4].numpy()
+    _, reward, terminated, truncated, info = env.step(oracle)
+    assert reward == 0.0 and terminated and not truncated
+    env.reset(options={"row": 4})
+    _, reward, *_ = env.step(-oracle)  # negative control: keeping the least-attended blocks costs
+    assert reward < -0.1
+    env.reset()
+    with pytest.raises(ValueError, match="keep scores"):
+        env.step(np.zeros(7, np.float32))
+    env.step(oracle)  # a refused action leaves the episode open; this one ends it
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step(oracle)
+
+
+# ------------------------------------------------------------------------------------------ training
+def test_plackett_luce_log_probability_matches_the_definition():
+    scores = torch.tensor([[0.5, -1.0, 2.0, 0.0]])
+    candidates = torch.tensor([[True, True, True, False]])
+    keys, log_prob = plackett_luce_topk(scores, candidates, torch.tensor([2]), samples=5)
+    for key, value in zip(keys[:, 0], log_prob[:, 0], strict=True):
+        first, second = torch.argsort(key, descending=True)[:2].tolist()
+        weights = scores[0, :3].exp()
+        want = math.log(weights[first] / weights.sum()) + math.log(weights[second] / (weights.sum() - weights[first]))
+        assert float(value) == pytest.approx(want, abs=1e-5)
+        assert 3 not in (first, second)  # a pinned or padding block is never drawn
+
+
+def test_training_learns_the_ranking_from_the_signal_feature(tmp_path):
+    records, validation = synthetic_records(12, 1), synthetic_records(4, 2)
+    summary = train(records, validation, tmp_path, warm_epochs=15, rl_epochs=5, batch=16, seed=0, log=lambda _: None)
+    held = Decisions(validation)
+    model, saved = load_ranker(tmp_path / "ranker.pt")
+    learned = regret_table(held, model)["ranker"]["all"]
+    untrained = regret_table(held, BlockScorer())["ranker"]["all"]
+    assert learned < 0.5 * untrained  # an untrained scorer ranks at random
+    assert learned == pytest.approx(saved["best"]["regret"], abs=1e-6)
+    assert summary["best"]["regret"] == saved["best"]["regret"]
+    assert (tmp_path / "warm_start.pt").is_file() and (tmp_path / "metrics.jsonl").read_text().count("\n") == 21
+    assert any((tmp_path / "tensorboard").iterdir())
+    scores = torch.randn(4, 24)
+    # cross-entropy to the normalised future mass: lowest at the log of the mass itself
+    assert float(listwise_loss(held.mass[:4].log(), held.mass[:4], held.candidates[:4])) < float(
+        listwise_loss(scores, held.mass[:4], held.candidates[:4]))
+
+
+# ------------------------------------------------------------------------------------------ file and controller
+def test_ranker_file_round_trips_and_refuses_damage(tmp_path):
+    model = BlockScorer(hidden=8)
+    path = save_ranker(model, tmp_path / "r.pt", {"note": "test"})
+    loaded, summary = load_ranker(path)
+    x = torch.randn(3, 5, len(RANK_FEATURES))
+    assert torch.equal(loaded(x)[0], model(x)[0]) and summary == {"note": "test"}
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(path.read_bytes()[:500])
+    with pytest.raises(PolicyFileError, match="corrupt"):
+        load_ranker(truncated)
+    payload = torch.load(path, weights_only=True)
+    payload["state_dict"]["score.bias"] += 1.0  # tampered weights, old checksum
+    torch.save(payload, tmp_path / "tampered.pt")
+    with pytest.raises(PolicyFileError, match="sha256"):
+        load_ranker(tmp_path / "tampered.pt")
+    payload = torch.load(path, weights_only=True)
+    payload["features"] = payload["features"][:-1]
+    torch.save(payload, tmp_path / "other.pt")
+    with pytest.raises(PolicyFileError, match="other block features"):
+        load_ranker(tmp_path / "other.pt")
+    with pytest.raises(PolicyFileError, match="does not exist"):
+        load_ranker(tmp_path / "missing.pt")
+
+
+@pytest.mark.parametrize("protocol", ["streaming", "oneshot-question"])
+def test_ranker_controller_decides_everything_itself(tiny_model, tmp_path, protocol):
+    path = save_ranker(BlockScorer(hidden=8), tmp_path / "r.pt")
+    controller = make_controller(f"ranker:{path}")
+    assert isinstance(controller, RankerController)
+    checked = Checked(controller)
+    runner = Runner(tiny_model, controller=checked, budget=5, prefill_chunk=32, decide_every=3,
+                    cache_config=CacheConfig(host_blocks=64), protocol=protocol, decode_budget="fixed")
+    result = runner.run(PROMPT, max_new_tokens=24, stop_at_eos=False)
+    assert checked.calls > 0 and result.fallbacks == 0
+    assert all(device <= 5 for device in result.blocks_per_tier["device"])
