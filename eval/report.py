@@ -102,6 +102,47 @@ def write_summary_csv(rows: list[dict], path: Path) -> None:
             writer.writerow([_format(column, row[column]) for column in SUMMARY_COLUMNS])
 
 
+def paired_differences(records: list[dict], controller: str, boot: int = 4000, seed: int = 0) -> list[dict]:
+    """``controller`` against every other controller at each budget, on the samples both ran (matched by
+    task, length and sample hash; pooled over tasks and lengths): mean score difference, its paired-bootstrap
+    95% interval (``boot`` resamples of the samples, seeded), and the samples won, tied and lost."""
+    import random
+
+    scores: dict[tuple, dict[tuple, float]] = defaultdict(dict)
+    for record in records:
+        sample = (record["task"], int(record["length"]), record.get("sample_hash") or record["index"])
+        scores[(record["controller"], float(record["budget"]))][sample] = float(record["score"])
+    mine = {budget: got for (name, budget), got in scores.items() if name == controller}
+    if not mine:
+        known = sorted({name for name, _ in scores})
+        raise ValueError(f"controller {controller!r} is not in these results; they hold: {', '.join(known)}")
+    rows = []
+    for (other, budget), theirs in scores.items():
+        if other == controller or budget not in mine:
+            continue
+        common = sorted(set(mine[budget]) & set(theirs), key=str)
+        if not common:
+            continue
+        diffs = [mine[budget][s] - theirs[s] for s in common]
+        rng = random.Random(seed)
+        means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(boot))
+        rows.append({"controller": controller, "other": other, "budget": budget, "n": len(diffs),
+                     "mean": sum(mine[budget][s] for s in common) / len(common),
+                     "other_mean": sum(theirs[s] for s in common) / len(common),
+                     "difference": sum(diffs) / len(diffs), "ci_low": means[int(0.025 * boot)],
+                     "ci_high": means[min(int(0.975 * boot), boot - 1)], "wins": sum(d > 0 for d in diffs),
+                     "ties": sum(d == 0 for d in diffs), "losses": sum(d < 0 for d in diffs)})
+    return sorted(rows, key=lambda row: row["budget"])
+
+
+def paired_differences_md(rows: list[dict]) -> str:
+    header = ["budget", "vs", "n", "accuracy", "theirs", "difference", "95% CI", "won / tied / lost"]
+    return _md_table(header, [[_format("budget", r["budget"]), r["other"], str(r["n"]), f"{r['mean']:.3f}",
+                               f"{r['other_mean']:.3f}", f"{r['difference']:+.3f}",
+                               f"{r['ci_low']:+.3f} .. {r['ci_high']:+.3f}", f"{r['wins']} / {r['ties']} / {r['losses']}"]
+                              for r in rows])
+
+
 def _md_table(header: list[str], lines: list[list[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(cells) + " |" for cells in lines]

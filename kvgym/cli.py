@@ -13,9 +13,11 @@ Subcommands:
   kvgym train --config C [k=v ...] MaskablePPO on the replay env, live evaluation, TensorBoard, checkpoints (--resume)
   kvgym bench env [options]        env steps/s (live single/batched, replay) and replay-live correlation (JSON)
   kvgym bench policy [options]     time per decision of a trained policy (direct path vs SB3 predict) (JSON)
+  kvgym bench ranker [options]     ranking policy: ms per decision scoring every block, replay env steps/s (JSON)
   kvgym bench eval [options]       evaluation runs per hour with and without shared dense prefills (JSON)
   kvgym tensorboard [--logdir D]   TensorBoard on the training runs (offline)
   kvgym peer --samples S --peer P  kvgym's eval results beside kvpress's on the same samples (Markdown)
+  kvgym compare --samples S --controller C  C vs every other controller on the same samples, paired CIs
 """
 
 from __future__ import annotations
@@ -115,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench_policy.add_argument("--model", default=None,
                               help="also time decide() on this model's live cache view (e.g. smollm2-135m)")
     bench_policy.add_argument("--json", type=Path, required=True, help="where to write the results")
+
+    bench_ranker = bench_kinds.add_parser(
+        "ranker", help="ranking policy: ms per decision scoring every block (<= 1 ms), replay env steps/s (>= 2000)")
+    bench_ranker.add_argument("--model", default="smollm2-135m", help="the model whose cache is scored")
+    bench_ranker.add_argument("--policy", type=Path, default=Path("policies/ranker_smollm2.pt"))
+    bench_ranker.add_argument("--context", type=int, default=2048)
+    bench_ranker.add_argument("--repeats", type=int, default=50)
+    bench_ranker.add_argument("--decisions", type=Path, default=None,
+                              help="a `kvgym ranker collect` folder: also time the replay env over all of it")
+    bench_ranker.add_argument("--replay-steps", type=int, default=20000)
+    bench_ranker.add_argument("--json", type=Path, required=True, help="where to write the results")
 
     bench_env = bench_kinds.add_parser("env", help="env steps/s: live single and batched, replay; replay-live correlation")
     bench_env.add_argument("--model", default="smollm2-135m", help="the real model (or 'none': the tiny model only)")
@@ -257,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--samples", type=Path, required=True, help="a samples.jsonl written by kvgym eval")
     peer.add_argument("--peer", type=Path, required=True,
                       help="kvpress's per-press results (e.g. ../shared/peer/kvpress_2k_results.jsonl)")
+    compare = commands.add_parser(
+        "compare", help="one controller against every other on the same samples: paired differences, bootstrap CIs")
+    compare.add_argument("--samples", type=Path, required=True, help="a samples.jsonl written by kvgym eval")
+    compare.add_argument("--controller", required=True, help="its name as in the results, e.g. ranker:policies/x.pt")
+    compare.add_argument("--json", type=Path, default=None, help="also write the rows here")
     board = commands.add_parser("tensorboard", help="start TensorBoard on the training runs (offline)")
     board.add_argument("--logdir", type=Path, default=Path("runs"))
     board.add_argument("--port", type=int, default=6006)
@@ -412,6 +430,18 @@ def cmd_bench(args) -> int:
         write_report(report, args.json)
         print(f"wrote {args.json}")
         return 0
+    if args.bench == "ranker":
+        from agents.ranker.benchmark import bench_decision, bench_replay
+
+        report = {"decision": bench_decision(load_model(args.model).model, args.policy, args.context,
+                                             repeats=args.repeats)}
+        if args.decisions is not None:
+            report["replay_env"] = bench_replay(args.decisions, args.replay_steps)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+        return 0
     if args.bench == "policy":
         from agents.ppo.benchmark import bench_policy
 
@@ -563,11 +593,27 @@ def cmd_peer(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from eval.report import paired_differences, paired_differences_md
+
+    if not args.samples.is_file():
+        raise ValueError(f"--samples {args.samples}: no such file; give a samples.jsonl written by kvgym eval")
+    records = [json.loads(line) for line in args.samples.read_text().splitlines() if line.strip()]
+    rows = paired_differences(records, args.controller)
+    if not rows:
+        raise ValueError(f"{args.samples}: no other controller ran the same samples at {args.controller}'s budgets")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(paired_differences_md(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth,
                 "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "ranker": cmd_ranker, "tensorboard": cmd_tensorboard,
-                "peer": cmd_peer}
+                "peer": cmd_peer, "compare": cmd_compare}
     from cache.models import ModelBuildError
 
     try:

@@ -278,3 +278,37 @@ def test_cli_eval_reports_errors_and_runs(tmp_path, capsys, monkeypatch, tiny_mo
     with open(tmp_path / "cli" / "summary.csv") as f:
         table = list(csv.DictReader(f))
     assert [r["controller"] for r in table] == ["full", "lru", "h2o:heavy_ratio=0.25,recent_ratio=0.25"]
+
+
+def test_paired_differences_match_samples_and_reject_a_swapped_pairing(tmp_path, capsys):
+    """Paired on the same samples: one that wins every sample is +1 with a degenerate interval; one that wins
+    half and loses half is 0 with an interval around 0; samples one side never ran are left out."""
+    from eval.report import paired_differences
+    from kvgym.cli import main
+
+    def record(controller, index, score, budget=0.25, task="passkey"):
+        return {"controller": controller, "budget": budget, "task": task, "length": 1024, "index": index,
+                "sample_hash": f"h{task}{index}", "score": score}
+
+    wins = [i % 2 for i in range(20)]
+    records = ([record("a", i, float(w)) for i, w in enumerate(wins)]
+               + [record("b", i, float(1 - w)) for i, w in enumerate(wins)]
+               + [record("b", i, 1.0, budget=0.5) for i in range(20)]  # a never ran 0.5: not compared
+               + [record("c", i, 0.0) for i in range(5)])  # ran only 5 of the samples: paired on those 5
+    rows = {row["other"]: row for row in paired_differences(records, "a")}
+    assert set(rows) == {"b", "c"}
+    assert rows["b"]["n"] == 20 and rows["b"]["difference"] == 0.0
+    assert rows["b"]["wins"] == rows["b"]["losses"] == 10 and rows["b"]["ci_low"] < 0 < rows["b"]["ci_high"]
+    assert rows["c"]["n"] == 5 and rows["c"]["difference"] == pytest.approx(sum(wins[:5]) / 5)
+    aligned = [record("a", i, 1.0) for i in range(20)] + [record("b", i, 0.0) for i in range(20)]
+    row = paired_differences(aligned, "a")[0]
+    assert (row["difference"], row["ci_low"], row["ci_high"], row["wins"]) == (1.0, 1.0, 1.0, 20)
+    with pytest.raises(ValueError, match="'z' is not in these results; they hold: a, b, c"):
+        paired_differences(records, "z")
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("\n".join(json.dumps(r) for r in aligned))
+    assert main(["compare", "--samples", str(samples), "--controller", "a", "--json", str(tmp_path / "p.json")]) == 0
+    assert "+1.000 .. +1.000" in capsys.readouterr().out
+    assert json.loads((tmp_path / "p.json").read_text())[0]["other"] == "b"
+    assert main(["compare", "--samples", str(tmp_path / "missing.jsonl"), "--controller", "a"]) == 2
+    assert "--samples" in capsys.readouterr().err

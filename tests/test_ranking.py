@@ -16,6 +16,7 @@ from agents.registry import make_controller
 from cache.controller import CacheView, Op
 from cache.paged_cache import CacheConfig
 from cache.runner import Prompt, Runner
+from cache.tiers import Tier
 from kvgym.envs.decisions import BUDGETS, Decisions, RankingReplayEnv, decision_point
 from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top
 from kvgym.envs.reward import ranking_regret
@@ -107,6 +108,32 @@ def test_keep_top_prefetches_offloaded_blocks_that_rise(tiny_model):
     apply_decisions(cache, decisions)
     after = CacheView.from_cache(cache, [5, 5], phase="compress")
     assert ((after.tier == 0).sum(dim=1) == 5).all()
+
+
+def test_keep_top_leaves_exactly_the_pinned_and_top_scored_blocks_on_device(tiny_model):
+    """Reference: a plain per-layer sort (score descending, then block order); ties, offloaded and dropped
+    blocks, budgets that differ per layer."""
+    from cache.controller import apply_decisions
+
+    rng = np.random.default_rng(3)
+    cache, view = view_after_prefill(tiny_model, host_blocks=8)
+    n = view.num_blocks
+    apply_decisions(cache, keep_top(view, torch.from_numpy(rng.normal(size=(2, n))).float()))  # some go to the host
+    for budget in ([6, 4], [3, 9], [n, 2]):
+        view = CacheView.from_cache(cache, budget, phase="compress")
+        scores = rng.integers(0, 3, (2, n)).astype(np.float32)  # many ties
+        decisions = keep_top(view, scores, merge=rng.normal(size=(2, n)))
+        for layer in range(2):
+            tier, pinned = view.tier[layer].tolist(), view.pinned[layer].tolist()
+            live = [b for b in range(n) if tier[b] != Tier.DROPPED]
+            pinned_live = [b for b in live if pinned[b]]
+            others = sorted((b for b in live if not pinned[b]), key=lambda b: (-scores[layer, b], b))
+            want = set(pinned_live) | set(others[: max(budget[layer] - len(pinned_live), 0)])
+            on_device = {b for b in range(n) if tier[b] == Tier.DEVICE}
+            ops = [d for d in decisions if d.layer == layer]
+            assert {d.block for d in ops if d.op in (Op.EVICT, Op.MERGE)} == on_device - want
+            assert {d.block for d in ops if d.op == Op.PREFETCH} == want - on_device
+        apply_decisions(cache, decisions)  # the next budget starts from what these left
 
 
 # ------------------------------------------------------------------------------------------ decision points
@@ -235,3 +262,14 @@ def test_ranker_controller_decides_everything_itself(tiny_model, tmp_path, proto
     result = runner.run(PROMPT, max_new_tokens=24, stop_at_eos=False)
     assert checked.calls > 0 and result.fallbacks == 0
     assert all(device <= 5 for device in result.blocks_per_tier["device"])
+
+
+def test_bench_ranker_times_every_part_of_a_decision(tiny_model, tmp_path):
+    from agents.ranker.benchmark import bench_decision, bench_replay
+
+    report = bench_decision(tiny_model, "policies/ranker_smollm2.pt", context=256, repeats=2)
+    assert report["layers"] == 2 and report["blocks_per_layer"] == 256 // 16
+    for part in ("view_ms", "block_features_ms", "scorer_forward_ms", "keep_top_ms", "decide_ms"):
+        assert report[part]["median_ms"] > 0
+    with pytest.raises(ValueError, match="no decision points"):
+        bench_replay(tmp_path)

@@ -117,30 +117,33 @@ def keep_top(view: CacheView, scores, merge=None) -> list[Decision]:
     into its neighbours where ``merge`` (``[L, N]``, optional) is > 0 and merging is legal, else evicted; an
     offloaded block that rises in is prefetched. Order per layer: prefetches into free device slots, then
     evictions and merges, then the prefetches that need the room they free."""
-    scores = torch.as_tensor(np.asarray(scores, np.float32))
-    if tuple(scores.shape) != (view.num_layers, view.num_blocks):
-        raise ValueError(f"ranking scores: expected shape {(view.num_layers, view.num_blocks)}, "
-                         f"got {tuple(scores.shape)}")
-    merge_wanted = None if merge is None else torch.as_tensor(np.asarray(merge, np.float32)) > 0
-    legal_merge = view.legal_ops[..., Op.MERGE] if merge_wanted is not None else None
+    scores = np.asarray(scores, np.float64)
+    if scores.shape != (view.num_layers, view.num_blocks):
+        raise ValueError(f"ranking scores: expected shape {(view.num_layers, view.num_blocks)}, got {scores.shape}")
+    tier, pinned = view.tier.numpy(), view.pinned.numpy()
+    live = tier != Tier.DROPPED
+    candidates = live & ~pinned
+    room = np.maximum(view.budget_blocks.numpy().astype(np.int64) - (pinned & live).sum(axis=1), 0)
+    # best first among each layer's candidates; ties keep block order; NaN ranks last among candidates
+    keyed = np.where(candidates, np.nan_to_num(scores, nan=-1e300, posinf=1e300, neginf=-1e300), -np.inf)
+    order = np.argsort(-keyed, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(view.num_blocks)[None].repeat(view.num_layers, 0), axis=1)
+    chosen = candidates & (rank < room[:, None])
+    on_device = tier == Tier.DEVICE
+    leaving = on_device & candidates & ~chosen
+    arriving = chosen & ~on_device
+    merging = np.zeros_like(leaving)
+    if merge is not None:
+        merging = leaving & (np.asarray(merge, np.float32) > 0) & view.legal_ops[..., Op.MERGE].numpy()
+    free = view.device_free.numpy()
     decisions = []
-    for layer in range(view.num_layers):
-        tier = view.tier[layer]
-        pinned = view.pinned[layer] & (tier != Tier.DROPPED)
-        candidates = (tier != Tier.DROPPED) & ~view.pinned[layer]
-        room = max(int(view.budget_blocks[layer]) - int(pinned.sum()), 0)
-        ranked = torch.nonzero(candidates).flatten()
-        order = torch.sort(scores[layer, ranked], descending=True, stable=True).indices
-        chosen = torch.zeros_like(candidates)
-        chosen[ranked[order[:room]]] = True
-        on_device = tier == Tier.DEVICE
-        leaving = torch.nonzero(on_device & candidates & ~chosen).flatten().tolist()
-        arriving = torch.nonzero(chosen & ~on_device).flatten().tolist()
-        free = int(view.device_free[layer])
-        out = []
-        for block in leaving:
-            merge_it = merge_wanted is not None and bool(merge_wanted[layer, block]) and bool(legal_merge[layer, block])
-            out.append(Decision(layer, block, Op.MERGE if merge_it else Op.EVICT))
-        decisions += ([Decision(layer, b, Op.PREFETCH) for b in arriving[:free]] + out
-                      + [Decision(layer, b, Op.PREFETCH) for b in arriving[free:]])
+    for layer in np.flatnonzero(leaving.any(axis=1) | arriving.any(axis=1)).tolist():
+        arriving_blocks = np.flatnonzero(arriving[layer]).tolist()
+        into_free = int(free[layer])
+        decisions += [Decision(layer, block, Op.PREFETCH) for block in arriving_blocks[:into_free]]
+        decisions += [Decision(layer, block, Op.MERGE if merged else Op.EVICT)
+                      for block, merged in zip(np.flatnonzero(leaving[layer]).tolist(),
+                                               merging[layer, leaving[layer]].tolist(), strict=True)]
+        decisions += [Decision(layer, block, Op.PREFETCH) for block in arriving_blocks[into_free:]]
     return decisions

@@ -1,0 +1,74 @@
+"""``kvgym bench ranker``: what a ranking decision costs on a real cache, and how fast the replay env steps.
+
+- **Decision** (target ≤ 1 ms): a ``context``-token prompt prefilled densely into a ``PagedKVCache`` of the given
+  model, then, on that cache, the parts of one ``RankerController.decide``: building the ``CacheView``,
+  ``block_features`` (every block of every layer), the scorer's forward, ``keep_top``; and the whole
+  ``decide`` on a ready view. Medians over ``repeats``.
+- **Replay env** (target ≥ 2,000 steps/s): ``RankingReplayEnv`` over every recorded decision of a
+  ``kvgym ranker collect`` folder (all held in memory), random keep scores, reset + step per episode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agents.ppo.benchmark import _times_ms
+
+
+def bench_decision(model, policy: str | Path, context: int = 2048, budget: float = 0.25, repeats: int = 50,
+                   seed: int = 0) -> dict:
+    from agents.ranker.controller import RankerController
+    from cache.controller import CacheView
+    from cache.paged_cache import CacheConfig, PagedKVCache
+    from cache.runner import budget_blocks
+    from kvgym.envs.ranking import block_features, keep_top
+
+    controller = RankerController(str(policy))
+    cache = PagedKVCache(model.config, CacheConfig(max_tokens=context + 64))
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    try:
+        blocks = budget_blocks(budget, context, cache.block_size, cache.num_layers, cache.config.sink_blocks + 1)
+        view = CacheView.from_cache(cache, blocks, phase="compress")
+        features = torch.from_numpy(block_features(view))
+        keep, merge = controller.scores(view)
+        return {
+            "context": context, "budget": budget, "layers": cache.num_layers, "blocks_per_layer": view.num_blocks,
+            "torch_threads": torch.get_num_threads(),
+            "view_ms": _times_ms(lambda: CacheView.from_cache(cache, blocks, phase="compress"), repeats),
+            "block_features_ms": _times_ms(lambda: block_features(view), repeats),
+            "scorer_forward_ms": _times_ms(lambda: controller._model(features), repeats),
+            "keep_top_ms": _times_ms(lambda: keep_top(view, keep, merge), repeats),
+            "decide_ms": _times_ms(lambda: controller.decide(view), repeats),
+            "target_ms": 1.0,
+        }
+    finally:
+        cache.close()
+
+
+def bench_replay(folder: str | Path, steps: int = 20_000, seed: int = 0) -> dict:
+    import time
+
+    from kvgym.envs.decisions import Decisions, RankingReplayEnv, load_records
+
+    paths = sorted(Path(folder).glob("*.pt"))
+    if not paths:
+        raise ValueError(f"--decisions {folder}: no decision points (.pt) there; make them with `kvgym ranker collect`")
+    start = time.perf_counter()
+    decisions = Decisions(load_records(paths))
+    prepare_s = time.perf_counter() - start
+    env = RankingReplayEnv(decisions)
+    env.reset(seed=seed)
+    rng = np.random.default_rng(seed)
+    actions = rng.uniform(-1, 1, (256, env.max_blocks)).astype(np.float32)
+    start = time.perf_counter()
+    for step in range(steps):
+        env.reset()
+        env.step(actions[step % len(actions)])
+    elapsed = time.perf_counter() - start
+    return {"decision_files": len(paths), "rows": len(decisions), "max_blocks": env.max_blocks,
+            "prepare_s": prepare_s, "steps": steps, "steps_per_s": steps / elapsed, "target_steps_per_s": 2000}
