@@ -433,8 +433,8 @@ def cmd_bench(args) -> int:
     if args.bench == "ranker":
         from agents.ranker.benchmark import bench_decision, bench_replay
 
-        report = {"decision": bench_decision(load_model(args.model).model, args.policy, args.context,
-                                             repeats=args.repeats)}
+        report = {"model": args.model, "decision": bench_decision(load_model(args.model).model, args.policy,
+                                                                  args.context, repeats=args.repeats)}
         if args.decisions is not None:
             report["replay_env"] = bench_replay(args.decisions, args.replay_steps)
         args.json.parent.mkdir(parents=True, exist_ok=True)
