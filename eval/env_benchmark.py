@@ -93,7 +93,7 @@ def bench_env(smollm2=None, num_envs=(4, 8), live_steps: int = 40, replay_steps:
     return report
 
 
-def write_report(report: dict, path: Path) -> None:
+def write_report(report: dict | list, path: Path) -> None:
     import json
 
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,10 @@ cache) how many answers start the same. ``kvgym peer --samples S --peer P`` prin
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
+
+from eval.report import read_jsonl
 
 # kvgym controller name -> kvpress press name in the peer file
 PRESS_OF = {"full": "none", "streamingllm": "streamingllm", "tova": "tova", "snapkv": "snapkv", "knorm": "knorm",
@@ -19,15 +20,11 @@ PRESS_OF = {"full": "none", "streamingllm": "streamingllm", "tova": "tova", "sna
             "pyramidkv": "pyramidkv", "kvzip": "kvzip"}
 
 
-def _read(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def compare(samples: str | Path, peer: str | Path, answer_chars: int = 10) -> list[dict]:
     """One row per kvgym controller spec with a kvpress counterpart (see the module docstring)."""
-    peer_rows = {(row["press"], int(row["index"])): row for row in _read(peer)}
+    peer_rows = {(row["press"], int(row["index"])): row for row in read_jsonl(peer)}
     by_spec: dict[str, list[tuple[dict, dict]]] = defaultdict(list)
-    for record in _read(samples):
+    for record in read_jsonl(samples):
         press = PRESS_OF.get(str(record["controller"]).split(":")[0])
         match = peer_rows.get((press, int(record["index"])))
         if match is not None:

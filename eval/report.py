@@ -14,6 +14,7 @@ and adds the mean over tasks of ``rel_accuracy`` per controller and budget, whic
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -100,6 +101,11 @@ def write_summary_csv(rows: list[dict], path: Path) -> None:
         writer.writerow(SUMMARY_COLUMNS)
         for row in rows:
             writer.writerow([_format(column, row[column]) for column in SUMMARY_COLUMNS])
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file (``samples.jsonl``, kvpress's results), blank lines skipped."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def paired_differences(records: list[dict], controller: str, boot: int = 4000, seed: int = 0) -> list[dict]:

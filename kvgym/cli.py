@@ -432,13 +432,13 @@ def cmd_bench(args) -> int:
         return 0
     if args.bench == "ranker":
         from agents.ranker.benchmark import bench_decision, bench_replay
+        from eval.env_benchmark import write_report
 
         report = {"model": args.model, "decision": bench_decision(load_model(args.model).model, args.policy,
                                                                   args.context, repeats=args.repeats)}
         if args.decisions is not None:
             report["replay_env"] = bench_replay(args.decisions, args.replay_steps)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_report(report, args.json)
         print(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
         return 0
@@ -594,17 +594,16 @@ def cmd_peer(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from eval.report import paired_differences, paired_differences_md
+    from eval.env_benchmark import write_report
+    from eval.report import paired_differences, paired_differences_md, read_jsonl
 
     if not args.samples.is_file():
         raise ValueError(f"--samples {args.samples}: no such file; give a samples.jsonl written by kvgym eval")
-    records = [json.loads(line) for line in args.samples.read_text().splitlines() if line.strip()]
-    rows = paired_differences(records, args.controller)
+    rows = paired_differences(read_jsonl(args.samples), args.controller)
     if not rows:
         raise ValueError(f"{args.samples}: no other controller ran the same samples at {args.controller}'s budgets")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_report(rows, args.json)
     print(paired_differences_md(rows))
     return 0
 

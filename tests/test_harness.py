@@ -280,7 +280,7 @@ def test_cli_eval_reports_errors_and_runs(tmp_path, capsys, monkeypatch, tiny_mo
     assert [r["controller"] for r in table] == ["full", "lru", "h2o:heavy_ratio=0.25,recent_ratio=0.25"]
 
 
-def test_paired_differences_match_samples_and_reject_a_swapped_pairing(tmp_path, capsys):
+def test_paired_differences_pair_scores_by_sample(tmp_path, capsys):
     """Paired on the same samples: one that wins every sample is +1 with a degenerate interval; one that wins
     half and loses half is 0 with an interval around 0; samples one side never ran are left out."""
     from eval.report import paired_differences

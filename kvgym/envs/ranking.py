@@ -128,7 +128,7 @@ def keep_top(view: CacheView, scores, merge=None) -> list[Decision]:
     keyed = np.where(candidates, np.nan_to_num(scores, nan=-1e300, posinf=1e300, neginf=-1e300), -np.inf)
     order = np.argsort(-keyed, axis=1, kind="stable")
     rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(view.num_blocks)[None].repeat(view.num_layers, 0), axis=1)
+    np.put_along_axis(rank, order, np.arange(view.num_blocks)[None], axis=1)
     chosen = candidates & (rank < room[:, None])
     on_device = tier == Tier.DEVICE
     leaving = on_device & candidates & ~chosen
