@@ -20,6 +20,21 @@ from cache.tiers import Tier
 PHASES = ("prefill", "compress", "question", "decode")
 
 
+def page_bounds(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:
+    """Quest's criticality ``U = Σ_c max(q_c·M_c, q_c·m_c)`` of every page for every query head.
+
+    ``query`` ``[L, heads, dim]``, ``key_min``/``key_max`` ``[L, N, kv_heads, dim]`` (channel-wise min/max of the
+    page's post-RoPE keys) → ``[L, N, heads]``. Query head ``h`` reads KV head ``h // (heads // kv_heads)``
+    (``repeat_kv``). Since ``q_c·k_c ≤ max(q_c·M_c, q_c·m_c)`` for every key in the page, ``U ≥ q·k`` for each.
+    Known for offloaded blocks too (their key summaries stay), so it ranks what a prefetch could bring back.
+    """
+    group = query.shape[1] // key_max.shape[2]
+    low = key_min.repeat_interleave(group, dim=2)  # [L, N, heads, dim]
+    high = key_max.repeat_interleave(group, dim=2)
+    q = query[:, None]  # [L, 1, heads, dim]
+    return torch.maximum(q * high, q * low).sum(dim=-1)
+
+
 class Op(IntEnum):
     KEEP = 0
     EVICT = 1
@@ -264,6 +279,14 @@ class CacheView:
             return torch.zeros(self.num_layers, self.num_blocks)
         cosine = torch.nn.functional.cosine_similarity(self.mean_key, self.query_summary[:, None], dim=-1)
         return cosine.mean(dim=-1)
+
+    @cached_property
+    def page_bound(self) -> torch.Tensor | None:
+        """``[L, N, heads]`` Quest's upper bound of the latest query's attention logit on each block
+        (``page_bounds``), offloaded blocks included; None before the first attention call."""
+        if self.last_query is None or self.key_max is None:
+            return None
+        return page_bounds(self.last_query, self.key_min, self.key_max)
 
     @cached_property
     def neighbour_similarity(self) -> torch.Tensor:

@@ -12,6 +12,7 @@ never loaded. A rebuild that cannot reach the package index raises ``ModelBuildE
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -288,4 +289,9 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | None
     register_paged_attention()
     model.set_attn_implementation(PAGED_ATTENTION)
     model.to(device).eval()
+    # the model and its libraries leave ~370k long-lived objects: frozen out of the cyclic collector, they are
+    # not rescanned by every full collection a decision's many small allocations trigger (a ranking decision
+    # on SmolLM2 measured 45 ms before, 29 ms after, on one thread)
+    gc.collect()
+    gc.freeze()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=location)

@@ -15,6 +15,7 @@ Subcommands:
   kvgym bench policy [options]     time per decision of a trained policy (direct path vs SB3 predict) (JSON)
   kvgym bench ranker [options]     ranking policy: ms per decision scoring every block, replay env steps/s (JSON)
   kvgym bench eval [options]       evaluation runs per hour with and without shared dense prefills (JSON)
+  kvgym ranker collect|train|fidelity  ranking policy: decision points (one-shot + streaming), training, replay vs live
   kvgym tensorboard [--logdir D]   TensorBoard on the training runs (offline)
   kvgym peer --samples S --peer P  kvgym's eval results beside kvpress's on the same samples (Markdown)
   kvgym compare --samples S --controller C  C vs every other controller on the same samples, paired CIs
@@ -54,6 +55,16 @@ def parse_int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers like 512,2048") from None
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    return values
+
+
+def parse_fraction_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated fractions like 0.125,0.25") from None
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected fractions in (0, 1]")
     return values
 
 
@@ -256,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_collect.add_argument("--no-chat", action="store_true", help="plain prompts (default: the chat template)")
     ranker_collect.add_argument("--block-size", type=int, default=16)
     ranker_collect.add_argument("--out", type=Path, required=True, help="folder of .pt files (reruns resume)")
+    ranker_collect.add_argument("--drivers", default="",
+                                help="controllers (specs, comma-separated) that drive a streaming prefill: each "
+                                     "sample's streaming question-point state under each is recorded too")
+    ranker_collect.add_argument("--streaming-budgets", type=parse_fraction_list, default=[0.25],
+                                help="budgets of the streaming runs (fractions of the context)")
+    ranker_collect.add_argument("--host-blocks", type=int, default=512, help="host tier of the streaming runs")
     ranker_train = ranker_kinds.add_parser("train", help="warm start on the oracle, then policy gradient on the regret")
     ranker_train.add_argument("--train", type=Path, required=True, help="a folder from `kvgym ranker collect`")
     ranker_train.add_argument("--validation", type=Path, required=True,
@@ -265,6 +282,18 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_train.add_argument("--seed", type=int, default=0)
     ranker_train.add_argument("--out", type=Path, required=True,
                               help="run folder: ranker.pt, warm_start.pt, metrics.jsonl, tensorboard/, summary.json")
+
+    ranker_fidelity = ranker_kinds.add_parser(
+        "fidelity", help="replay vs live: per episode, Spearman of replay regret and live KL over >= 8 rankings (JSON)")
+    _add_model_args(ranker_fidelity)
+    ranker_fidelity.add_argument("--policy", type=Path, default=Path("policies/ranker_smollm2.pt"))
+    ranker_fidelity.add_argument("--tasks", default="passkey,niah_single,niah_multikey")
+    ranker_fidelity.add_argument("--length", type=int, default=2048)
+    ranker_fidelity.add_argument("--n", type=int, default=2, help="samples per task")
+    ranker_fidelity.add_argument("--seed", type=int, default=7, help="harness seed (keep it apart from training's)")
+    ranker_fidelity.add_argument("--budgets", type=parse_fraction_list, default=[0.125, 0.25])
+    ranker_fidelity.add_argument("--no-chat", action="store_true")
+    ranker_fidelity.add_argument("--json", type=Path, required=True, help="where to write the rows and the summary")
 
     peer = commands.add_parser("peer", help="kvgym's eval results beside kvpress's on the same samples (Markdown)")
     peer.add_argument("--samples", type=Path, required=True, help="a samples.jsonl written by kvgym eval")
@@ -557,6 +586,9 @@ def cmd_ranker(args) -> int:
                         rl_epochs=args.rl_epochs, seed=args.seed)
         print(json.dumps(summary["best"]), f"-> {args.out / 'ranker.pt'}")
         return 0
+    if args.ranker == "fidelity":
+        return _ranker_fidelity(args)
+    from agents.registry import make_controller
     from cache.models import load_model
     from eval.tasks.base import get_task
     from kvgym.envs.decisions import collect
@@ -564,10 +596,54 @@ def cmd_ranker(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     for task in tasks:
         get_task(task)  # an unknown task fails before the model is loaded
+    drivers = {spec.replace(":", "-").replace("/", "-"): make_controller(spec)
+               for spec in (s.strip() for s in args.drivers.split(",")) if spec}
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     paths = collect(loaded.model, loaded.tokenizer, tasks, args.lengths, args.n, args.seed, args.out,
-                    chat=not args.no_chat, block_size=args.block_size)
+                    chat=not args.no_chat, block_size=args.block_size, drivers=drivers,
+                    streaming_budgets=tuple(args.streaming_budgets), host_blocks=args.host_blocks)
     print(f"{len(paths)} decision points in {args.out}")
+    return 0
+
+
+def _ranker_fidelity(args) -> int:
+    from agents.ranker.model import load_ranker
+    from cache.models import load_model
+    from eval.env_benchmark import write_report
+    from eval.ranking_fidelity import (
+        FEATURE_POLICIES,
+        episode_table,
+        feature_score,
+        fidelity_summary,
+        random_score,
+    )
+    from eval.tasks import generate
+    from eval.tasks.base import get_task
+    from eval.tasks.prompt import build_prompt
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    for task in tasks:
+        get_task(task)
+    ranker, _ = load_ranker(args.policy)
+    policies = {f"ranker:{args.policy}": lambda features: ranker(features.float())[0],
+                **{name: feature_score(column) for name, column in FEATURE_POLICIES.items()},
+                "random": random_score(0)}
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    tokenizer = loaded.tokenizer
+    eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    rows = []
+    for task in tasks:
+        for index in range(args.n):
+            sample = generate(task, tokenizer, args.length, seed=args.seed, index=index)
+            prompt = build_prompt(tokenizer, sample, not args.no_chat)
+            for row in episode_table(loaded.model, prompt, policies, args.budgets,
+                                     max_new_tokens=min(sample.max_new_tokens, 24), eos_ids=eos):
+                rows.append({"sample": f"{task}/{index}", **row})
+            print(f"{task}/{index}: {len(rows)} rows", flush=True)
+    summary = fidelity_summary(rows)
+    write_report({"model": args.model, "length": args.length, "seed": args.seed, "tasks": tasks,
+                  "summary": summary, "rows": rows}, args.json)
+    print(json.dumps({k: v for k, v in summary.items() if k != "episodes"}))
     return 0
 
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from agents.baselines.quest import Quest, page_bounds
+from agents.baselines.quest import Quest
 from agents.baselines.sentencekv import SentenceKV
-from cache.controller import CacheView, Op, apply_decisions
+from cache.controller import CacheView, Op, apply_decisions, page_bounds
 from cache.paged_cache import CacheConfig, PagedKVCache
 from cache.runner import Runner
 from cache.tiers import Tier

@@ -13,12 +13,19 @@ from agents.ranker.controller import RankerController
 from agents.ranker.model import BlockScorer, PolicyFileError, load_ranker, save_ranker
 from agents.ranker.train import listwise_loss, plackett_luce_topk, regret_table, train
 from agents.registry import make_controller
-from cache.controller import CacheView, Op
+from cache.controller import CacheView, Decision, Op, page_bounds
 from cache.paged_cache import CacheConfig
 from cache.runner import Prompt, Runner
 from cache.tiers import Tier
-from kvgym.envs.decisions import BUDGETS, Decisions, RankingReplayEnv, decision_point
-from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top
+from kvgym.envs.decisions import (
+    BUDGETS,
+    Decisions,
+    RankingReplayEnv,
+    decision_point,
+    load_records,
+    streaming_state,
+)
+from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top, within_layer_rank
 from kvgym.envs.reward import ranking_regret
 from tests.test_baselines_common import Checked
 
@@ -75,6 +82,59 @@ def test_block_features_are_finite_and_describe_every_block(tiny_model):
     last_query = view.mass("last_query", "mean")
     order = np.argsort(-features[0, :, column["last_query_mean_rank"]], kind="stable")
     assert last_query[0, order[0]] == last_query[0].max()
+
+
+def test_page_bound_features_score_offloaded_blocks_by_quests_bound(tiny_model):
+    from cache.controller import apply_decisions
+
+    cache, view = view_after_prefill(tiny_model)
+    apply_decisions(cache, [Decision(layer, block, Op.EVICT) for layer in range(2) for block in (2, 3, 4)])
+    view = CacheView.from_cache(cache, [5, 5], phase="question")
+    features = block_features(view)
+    column = {name: i for i, name in enumerate(RANK_FEATURES)}
+    assert (features[:, 2:5, column["tier_host"]] == 1).all()
+    # Quest's bound from the raw keys of each block (the pool's keys: offloaded blocks keep theirs on the host)
+    bound = page_bounds(view.last_query, view.key_min, view.key_max).amax(dim=-1)
+    valid = np.ones(bound.shape, bool)
+    assert np.allclose(features[..., column["page_bound_max_rank"]], within_layer_rank(bound.numpy(), valid))
+    shares = np.exp(features[..., column["page_bound_max_log_share"]]) - 1e-4  # N x softmax share
+    assert np.allclose(shares.sum(axis=1), view.num_blocks, rtol=1e-3)
+    # negative control: the attention-mass columns know nothing new of blocks the latest queries could not see
+    assert not np.allclose(features[..., column["page_bound_max_rank"]], features[..., column["last_max_rank"]])
+
+
+def test_streaming_states_show_the_policy_what_streaming_leaves_it(tiny_model):
+    prompt = Prompt(PROMPT, context_end=160)
+    record = decision_point(tiny_model, prompt, max_new_tokens=4, block_size=16)
+    state = streaming_state(tiny_model, prompt, make_controller("quest"), budget=5, host_blocks=64, block_size=16)
+    assert state["phase"] == "question" and state["features"].shape == record["features"].shape
+    features = state["features"].float()
+    column = {name: i for i, name in enumerate(RANK_FEATURES)}
+    assert (features[..., column["phase_question"]] == 1).all()
+    assert (features[..., column["tier_host"]] == 1).any()  # the prefill offloaded blocks: the policy can fetch them
+    assert [s["phase"] for s in state["other_states"]] == ["prefill", "prefill", "decode"]
+    # half and 3/4 of the 13 blocks read, then the decode decision after the last prompt token (200 tokens: 13)
+    assert [s["features"].shape[1] for s in state["other_states"]] == [8, 10, 13]
+    assert state["budgets"] == [5]
+
+
+def test_load_records_expands_streaming_states_with_their_own_future(tmp_path):
+    record = synthetic_records(1, seed=3)[0]
+    streaming = {**record, "budgets": [0.25], "protocol": "streaming",
+                 "other_states": [{"features": record["features"][:, :10], "device_blocks": torch.tensor([8, 8]),
+                                   "phase": "prefill"},
+                                  {"features": torch.cat([record["features"], record["features"][:, -1:]], dim=1),
+                                   "device_blocks": torch.tensor([8, 8]), "phase": "decode"}]}
+    torch.save(record, tmp_path / "a.pt")
+    torch.save(streaming, tmp_path / "a_streaming.pt")
+    records = load_records([tmp_path / "a.pt", tmp_path / "a_streaming.pt"])
+    assert len(records) == 4 and "other_states" not in records[1]
+    assert torch.equal(records[2]["future_heads"], record["future_heads"][..., :10])  # cut to the blocks read
+    assert torch.equal(records[3]["future_heads"][..., :24], record["future_heads"])  # a block begun since: 0
+    assert (records[3]["future_heads"][..., 24] == 0).all()
+    decisions = Decisions(records)
+    assert len(decisions) == 2 * (len(BUDGETS) + 3)  # 2 layers: every budget, then each streaming state's own
+    assert (decisions.budget[2 * len(BUDGETS):] == 0.25).all()
 
 
 def test_keep_top_keeps_the_best_scores_and_the_pinned_blocks(tiny_model):
@@ -273,3 +333,36 @@ def test_bench_ranker_times_every_part_of_a_decision(tiny_model, tmp_path):
         assert report[part]["median_ms"] > 0
     with pytest.raises(ValueError, match="no decision points"):
         bench_replay(tmp_path)
+
+
+def test_a_prefetch_decided_at_the_question_is_read_by_the_first_answer_token(tiny_model):
+    """A block offloaded during the prefill and ranked first at the question decision is back on device when the
+    last prompt token computes the first answer token: its attention reaches that block (negative control: the
+    same run without the prefetch gives it none)."""
+    prompt = Prompt(PROMPT, context_end=160)
+
+    class Ranking:
+        def __init__(self, prefetch: bool):
+            self.prefetch, self.first_decode = prefetch, None
+
+        def decide(self, view):
+            if view.phase == "decode" and self.first_decode is None:
+                self.first_decode = (view.tier.clone(), view.mass("last_query", "max").clone())
+            scores = -torch.arange(view.num_blocks, dtype=torch.float32).expand(view.num_layers, -1).clone()
+            if view.num_blocks > 2:
+                scores[:, 2] = -1e9  # block 2: the worst while reading
+                if view.phase == "question" and self.prefetch:
+                    scores[:, 2] = 1e9  # ... and the best once the question is read
+            return keep_top(view, scores)
+
+    seen = {}
+    for prefetch in (True, False):
+        controller = Ranking(prefetch)
+        result = Runner(tiny_model, controller=controller, budget=5, prefill_chunk=32,
+                        cache_config=CacheConfig(host_blocks=64), protocol="streaming").run(prompt, max_new_tokens=2)
+        assert result.fallbacks == 0
+        seen[prefetch] = (controller.first_decode, result.operations.get("prefetch", 0))
+    (tier, mass), prefetches = seen[True]
+    assert prefetches > 0 and (tier[:, 2] == Tier.DEVICE).all() and (mass[:, 2] > 0).all()
+    (tier, mass), prefetches = seen[False]
+    assert prefetches == 0 and (tier[:, 2] == Tier.HOST).all() and (mass[:, 2] == 0).all()

@@ -8,22 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from agents.baselines.base import make_resident
-from cache.controller import CacheView, Decision
+from cache.controller import CacheView, Decision, page_bounds
 from cache.tiers import Tier
-
-
-def page_bounds(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:
-    """Quest's criticality ``U = Σ_c max(q_c·M_c, q_c·m_c)`` of every page for every query head.
-
-    ``query`` ``[L, heads, dim]``, ``key_min``/``key_max`` ``[L, N, kv_heads, dim]`` (channel-wise min/max of the
-    page's post-RoPE keys) → ``[L, N, heads]``. Query head ``h`` reads KV head ``h // (heads // kv_heads)``
-    (``repeat_kv``). Since ``q_c·k_c ≤ max(q_c·M_c, q_c·m_c)`` for every key in the page, ``U ≥ q·k`` for each.
-    """
-    group = query.shape[1] // key_max.shape[2]
-    low = key_min.repeat_interleave(group, dim=2)  # [L, N, heads, dim]
-    high = key_max.repeat_interleave(group, dim=2)
-    q = query[:, None]  # [L, 1, heads, dim]
-    return torch.maximum(q * high, q * low).sum(dim=-1)
 
 
 @dataclass

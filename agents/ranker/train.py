@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from agents.ranker.model import BlockScorer, save_ranker
+from cache.controller import PHASES
 from kvgym.envs.decisions import BUDGETS, Decisions
 from kvgym.envs.ranking import RANK_FEATURES
 
@@ -44,14 +45,16 @@ HEURISTIC_COLUMNS = {
     "last_query_mean (TOVA)": "last_query_mean_rank",
     "observed_mean (observed attention)": "observed_mean_rank",
     "key_norm (Knorm)": "key_norm_rank",
+    "page_bound_max (Quest)": "page_bound_max_rank",
     "key_distinct (KeyDiff-like)": "key_distinct_rank",
 }
 
 
 # ------------------------------------------------------------------------------------------------ train
 def regret_table(decisions: Decisions, model: BlockScorer | None) -> dict[str, dict[str, float]]:
-    """Mean regret of the deterministic top-b per budget on ``decisions``: ``model`` and each single heuristic
-    feature of ``HEURISTIC_COLUMNS``."""
+    """Mean regret of the deterministic top-b per budget and per decision phase on ``decisions`` (phases:
+    ``compress`` = one-shot, the others streaming states): ``model`` and each single heuristic feature of
+    ``HEURISTIC_COLUMNS``."""
     methods = {name: decisions.features[..., RANK_FEATURES.index(column)] for name, column in HEURISTIC_COLUMNS.items()}
     if model is not None:
         with torch.no_grad():
@@ -59,7 +62,11 @@ def regret_table(decisions: Decisions, model: BlockScorer | None) -> dict[str, d
     table = {}
     for name, scores in methods.items():
         regret = decisions.regret(scores)
-        table[name] = {str(b): float(regret[decisions.budget == b].mean()) for b in BUDGETS} | {"all": float(regret.mean())}
+        table[name] = {str(b): float(regret[decisions.budget == b].mean()) for b in BUDGETS
+                       if (decisions.budget == b).any()}
+        table[name] |= {phase: float(regret[decisions.phase == i].mean()) for i, phase in enumerate(PHASES)
+                        if (decisions.phase == i).any()}
+        table[name]["all"] = float(regret.mean())
     return table
 
 
@@ -111,7 +118,7 @@ def train(records: list[dict], validation: list[dict], out: str | Path, warm_epo
         table = regret_table(held, model)
         regret = table["ranker"]["all"]
         row = {"epoch": epoch, "stage": stage, "loss": loss, "validation_regret": regret,
-               "validation_regret_by_budget": {k: v for k, v in table["ranker"].items() if k != "all"}}
+               "validation_regret_by": {k: v for k, v in table["ranker"].items() if k != "all"}}
         metrics.write(json.dumps(row) + "\n")
         metrics.flush()
         writer.add_scalar("ranker/validation_regret", regret, epoch)

@@ -6,6 +6,15 @@ every block's ``block_features`` there and its **future attention** per query he
 the full cache's last prompt token and greedy answer give each block. One ``.pt`` file per sample, written once
 (a killed collection resumes where it stopped).
 
+**Streaming states** (``streaming_state``): the same sample run under the ``streaming`` protocol (chunked
+prefill, a budget, an optional host tier) with a *driver* controller deciding during the prefill; the block
+features the ``question`` decision point shows (offloaded blocks have no fresh attention there, only their key
+summaries), and those of two ``prefill`` decision points (half and three quarters of the prompt read) and of the first
+``decode`` one, with the same full-cache future attention (cut to the blocks read by then: what the question
+and answer will need). The driver's choices shape that state, so several
+drivers give the policy the states it will meet when it drives the prefill itself (DAgger, one round). Such
+a record carries its own ``budgets`` (the one it ran at) and ``host_blocks``.
+
 **A decision** (``Decisions``): one layer of one decision point at one budget (a fraction of the context).
 Its reward is exact: ``-ranking_regret`` (``kvgym.envs.reward``), the future mass (max over query heads:
 retrieval heads count) the kept set leaves off the device, minus the future-attention oracle's, over the
@@ -17,6 +26,7 @@ block features (padded to ``max_blocks``) and its candidate mask, the action a k
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -25,7 +35,7 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from cache.controller import CacheView
+from cache.controller import PHASES, CacheView
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner, budget_blocks
 from cache.tiers import Tier
@@ -36,12 +46,16 @@ BUDGETS = (0.125, 0.25, 0.5)
 
 
 @torch.no_grad()
-def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos_ids: set[int] | None = None) -> dict:
+def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos_ids: set[int] | None = None,
+                   shared=None) -> dict:
     """The ``oneshot-question`` decision point of ``prompt`` (a ``cache.runner.Prompt``): features, the full
-    cache's future attention per query head, and the full cache's greedy answer."""
-    runner = Runner(model, None, CacheConfig(block_size=block_size), protocol="oneshot-question")
-    shared = runner.dense_prefill(prompt, max_new_tokens)
-    cache = shared.cache
+    cache's future attention per query head, and the full cache's greedy answer. ``shared``: a
+    ``Runner.dense_prefill`` of the prompt to start from (a copy of it; default: prefill here)."""
+    if shared is None:
+        runner = Runner(model, None, CacheConfig(block_size=block_size), protocol="oneshot-question")
+        shared = runner.dense_prefill(prompt, max_new_tokens)
+    cache = shared.cache.clone()
+    block_size = cache.block_size
     num_layers = cache.num_layers
     budget = budget_blocks(0.25, prompt.context_tokens, block_size, num_layers, cache.config.sink_blocks + 1)
     view = CacheView.from_cache(cache, budget, phase="compress")
@@ -64,10 +78,57 @@ def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos
     }
 
 
+class _StateRecorder:
+    """A streaming run's controller, wrapped: keeps the block features of the first ``question`` decision point,
+    of the first ``prefill`` decision point at or past each of ``marks`` blocks, and of the first ``decode`` one."""
+
+    def __init__(self, controller, marks: tuple[int, ...]):
+        self.controller, self.marks = controller, list(marks)
+        self.question, self.others = None, []
+
+    def __getattr__(self, name):  # the runner reads a controller's options (fallback rule, layer budgets, ...)
+        return getattr(self.controller, name)
+
+    def decide(self, view: CacheView):
+        take = (view.phase == "question" and self.question is None) or \
+            (view.phase == "decode" and not any(s["phase"] == "decode" for s in self.others))
+        if view.phase == "prefill" and self.marks and view.num_blocks >= self.marks[0]:
+            self.marks.pop(0)
+            take = True
+        if take:
+            state = {"features": torch.from_numpy(block_features(view)).half(),
+                     "device_blocks": (view.tier == Tier.DEVICE).sum(dim=1), "phase": view.phase}
+            if view.phase == "question":
+                self.question = state
+            else:
+                self.others.append(state)
+        return self.controller.decide(view)
+
+
+@torch.no_grad()
+def streaming_state(model, prompt, driver, budget: float, host_blocks: int, block_size: int = 16,
+                    prefill_marks: tuple[float, ...] = (0.5, 0.75)) -> dict:
+    """``prompt`` streamed at ``budget`` with ``driver`` deciding: the block features (and device blocks per
+    layer) of its ``question`` decision point, and under ``other_states`` those of the prefill decision points
+    where ``prefill_marks`` (fractions) of the prompt's blocks have been read and of the first decode decision
+    (after the last prompt token, before the answer)."""
+    total = math.ceil((len(prompt.ids) - 1) / block_size)
+    recorder = _StateRecorder(driver, tuple(max(1, round(total * mark)) for mark in prefill_marks))
+    runner = Runner(model, None, CacheConfig(block_size=block_size, host_blocks=host_blocks), controller=recorder,
+                    budget=budget, protocol="streaming")
+    runner.run(prompt, max_new_tokens=1)
+    if recorder.question is None:
+        raise ValueError("streaming_state: the prompt has no question decision point (no question part)")
+    return {**recorder.question, "other_states": recorder.others, "budgets": [budget],
+            "host_blocks": host_blocks, "protocol": "streaming"}
+
+
 def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed: int, out: str | Path,
-            chat: bool = True, block_size: int = 16, max_new_tokens: int = 24, log=print) -> list[Path]:
-    """Decision points of ``n`` samples per task × length (task seed ``seed``) into ``out``; existing files
-    are kept (resume)."""
+            chat: bool = True, block_size: int = 16, max_new_tokens: int = 24, drivers: dict | None = None,
+            streaming_budgets: tuple[float, ...] = (0.25,), host_blocks: int = 0, log=print) -> list[Path]:
+    """Decision points of ``n`` samples per task × length (task seed ``seed``) into ``out``, and for each of
+    ``drivers`` (name → controller) the sample's streaming states with ``host_blocks`` host blocks per layer,
+    at a budget of ``streaming_budgets`` (taken in turn by sample index); existing files are kept (resume)."""
     from eval.tasks import generate
     from eval.tasks.prompt import build_prompt
 
@@ -79,29 +140,48 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
         for length in lengths:
             for index in range(n):
                 path = out / f"{task}_{length}_s{seed}_{index}.pt"
-                paths.append(path)
-                if path.is_file():
+                budget = streaming_budgets[index % len(streaming_budgets)]
+                streamed = {name: out / f"{path.stem}_streaming_{name}_b{budget}_h{host_blocks}.pt" for name in drivers or {}}
+                paths += [path, *streamed.values()]
+                if path.is_file() and all(p.is_file() for p in streamed.values()):
                     continue
                 sample = generate(task, tokenizer, length, seed=seed, index=index)
+                prompt = build_prompt(tokenizer, sample, chat)
                 start = time.perf_counter()
-                record = decision_point(model, build_prompt(tokenizer, sample, chat),
-                                        min(sample.max_new_tokens, max_new_tokens), block_size, eos)
-                record.update(task=task, length=length, seed=seed, index=index)
-                tmp = path.with_suffix(".tmp")
-                torch.save(record, tmp)
-                tmp.replace(path)
+                if path.is_file():
+                    record = torch.load(path, weights_only=True)
+                else:
+                    record = decision_point(model, prompt, min(sample.max_new_tokens, max_new_tokens), block_size, eos)
+                    record.update(task=task, length=length, seed=seed, index=index)
+                    _save(record, path)
+                for name, streamed_path in streamed.items():
+                    if streamed_path.is_file():
+                        continue
+                    state = streaming_state(model, prompt, drivers[name], budget, host_blocks, block_size)
+                    if state["features"].shape != record["features"].shape:
+                        raise RuntimeError(f"{streamed_path.name}: the streaming state has "
+                                           f"{tuple(state['features'].shape)} features, the full cache's "
+                                           f"decision point {tuple(record['features'].shape)}")
+                    _save({**record, **state, "driver": name}, streamed_path)
                 log(f"{path.name}: {record['features'].shape[1]} blocks, {time.perf_counter() - start:.1f} s")
     return paths
+
+
+def _save(record: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(record, tmp)
+    tmp.replace(path)
 
 
 class Decisions:
     """Padded tensors of decision points × budgets, one row per (sample, budget, layer):
     ``features`` ``[R, N, F]``, ``mass`` ``[R, N]`` (future mass, max over query heads), ``candidates``
-    ``[R, N]`` (valid, not pinned), ``room`` ``[R]`` (blocks kept besides the pinned), ``budget`` ``[R]``."""
+    ``[R, N]`` (valid, not pinned), ``room`` ``[R]`` (blocks kept besides the pinned), ``budget`` ``[R]``,
+    ``phase`` ``[R]`` (the decision point's phase, an index into ``PHASES``: ``compress`` for one-shot records)."""
 
     def __init__(self, records: list[dict], budgets=BUDGETS):
         width = max(int(r["features"].shape[1]) for r in records)
-        rows = {"features": [], "mass": [], "candidates": [], "room": [], "budget": []}
+        rows = {"features": [], "mass": [], "candidates": [], "room": [], "budget": [], "phase": []}
         for record in records:
             features = record["features"].float()
             num_layers, n, _ = features.shape
@@ -111,7 +191,7 @@ class Decisions:
             pinned[n - 1] = True
             valid = features[..., RANK_FEATURES.index("valid")] > 0
             candidates = valid & ~pinned
-            for fraction in budgets:
+            for fraction in record.get("budgets", budgets):
                 blocks = torch.tensor(budget_blocks(fraction, int(record["context_tokens"]), int(record["block_size"]),
                                                     num_layers, int(record["sink_blocks"]) + 1))
                 x = features.clone()
@@ -123,11 +203,13 @@ class Decisions:
                 rows["candidates"].append(torch.nn.functional.pad(candidates, (0, pad)))
                 rows["room"].append((blocks - (valid & pinned).sum(dim=1)).clamp(min=0))
                 rows["budget"].append(torch.full((num_layers,), fraction))
+                rows["phase"].append(torch.full((num_layers,), PHASES.index(record.get("phase", "compress"))))
         self.features = torch.cat(rows["features"])
         self.mass = torch.cat(rows["mass"])
         self.candidates = torch.cat(rows["candidates"])
         self.room = torch.cat(rows["room"])
         self.budget = torch.cat(rows["budget"])
+        self.phase = torch.cat(rows["phase"])  # index into cache.controller.PHASES
 
     def __len__(self) -> int:
         return int(self.room.shape[0])
@@ -137,7 +219,20 @@ class Decisions:
 
 
 def load_records(paths: list[Path]) -> list[dict]:
-    return [torch.load(path, weights_only=True) for path in paths]
+    """The records of ``collect``'s files; a streaming file gives its question state and each of its other
+    states (the future attention cut to the blocks read by then, or padded with zeros for a block begun since)."""
+    records = []
+    for path in paths:
+        record = torch.load(path, weights_only=True)
+        others = record.pop("other_states", [])
+        records.append(record)
+        for state in others:
+            future = record["future_heads"]
+            blocks = state["features"].shape[1]
+            future = future[..., :blocks] if blocks <= future.shape[-1] else \
+                torch.nn.functional.pad(future, (0, blocks - future.shape[-1]))
+            records.append({**record, **state, "future_heads": future})
+    return records
 
 
 class RankingReplayEnv(gym.Env):

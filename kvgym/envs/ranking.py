@@ -3,7 +3,8 @@ offloaded) and the cache keeps the top-b of each layer on device.
 
 - ``block_features(view)`` → ``[L, N, F]`` float32, one row of ``RANK_FEATURES`` per block: the numbers the
   field's heuristics rank by (window, last-query and accumulated attention, mean and max over query heads, as
-  log shares of the layer and as within-layer ranks; key norm, key distinctiveness, query similarity), the
+  log shares of the layer and as within-layer ranks; Quest's bound of the latest query's logit, known for
+  offloaded blocks too; key norm, key distinctiveness, query similarity), the
   block's place (position, distance from the end, sink, layer depth), its tier, the phase, and its layer's
   memory pressure and budget. A pure function of a ``CacheView``: the env, the training data and the
   controller loaded into the cache all see the same numbers.
@@ -29,6 +30,7 @@ MASS_KINDS = (("last", "mean"), ("last", "max"), ("last_query", "mean"), ("last_
 RANK_FEATURES = (
     "valid", "layer_depth", "position", "distance_from_end", "sink", "newest",
     *[f"{kind}_{over}_{form}" for kind, over in MASS_KINDS for form in ("log_share", "rank")],
+    *[f"page_bound_{over}_{form}" for over in ("mean", "max") for form in ("log_share", "rank")],
     "key_norm_rank", "key_distinct_rank", "query_similarity", "query_similarity_rank",
     "tier_device", "tier_host", "tier_disk", "sentence_boundary",
     *[f"phase_{phase}" for phase in PHASES],
@@ -56,6 +58,13 @@ def log_share(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
     total = values.sum(axis=1, keepdims=True)
     share = values / np.where(total > 0, total, 1.0) * values.shape[1]
     return np.log(share + 1e-4).astype(np.float32)
+
+
+def softmax_log_share(logits: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """``[L, N]`` logits → ``log_share`` of their softmax over each layer's valid entries."""
+    keyed = np.where(valid, logits, -np.inf).astype(np.float64)
+    weights = np.exp(keyed - keyed.max(axis=1, keepdims=True, initial=-1e300))
+    return log_share(np.nan_to_num(weights), valid)
 
 
 def _mass(view: CacheView, kind: str, over: str) -> np.ndarray:
@@ -87,6 +96,14 @@ def block_features(view: CacheView) -> np.ndarray:
         mass = _mass(view, kind, over)
         features[..., next(column)] = log_share(mass, valid)
         features[..., next(column)] = within_layer_rank(mass, valid)
+    bound = view.page_bound  # [L, N, heads]: Quest's bound, offloaded blocks included
+    for over in ("mean", "max"):
+        if bound is None:
+            next(column), next(column)
+            continue
+        logit = (bound.mean(dim=-1) if over == "mean" else bound.amax(dim=-1)).numpy() / np.sqrt(view.last_query.shape[-1])
+        features[..., next(column)] = softmax_log_share(logit, valid)
+        features[..., next(column)] = within_layer_rank(logit, valid)
     mean_key = view.mean_key
     if mean_key is not None:
         keys = mean_key.float()

@@ -1,0 +1,104 @@
+"""Is the ranking replay faithful? Replay regret against live decoding, policy by policy, within each episode.
+
+An episode is one sample at one budget. For every policy (a keep score per block computed from the block
+features: the ranking policy, single heuristic features, random scores) the **replay** side is the mean over
+layers of ``ranking_regret`` at the sample's recorded ``oneshot-question`` decision point
+(``kvgym.envs.decisions``), and the **live** side runs the same policy as the cache's controller at that
+decision point and teacher-forces the full cache's greedy answer through the compressed cache: the mean KL
+from the full cache's next-token distributions over the answer's positions. Both come from one dense prefill.
+Within each episode the two sides rank the policies; ``spearman`` measures their agreement (replay regret and
+live KL both fall as a policy gets better, so faithful replay gives +1).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from cache.controller import CacheView, Decision
+from cache.paged_cache import CacheConfig
+from cache.runner import Runner
+from eval.replay_compare import spearman
+from kvgym.envs.decisions import Decisions, decision_point
+from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top
+
+# single block features that are a heuristic's ranking (higher = keep)
+FEATURE_POLICIES = {
+    "tova (last query, mean)": "last_query_mean_rank",
+    "last query, max": "last_query_max_rank",
+    "window, mean": "last_mean_rank",
+    "window, max": "last_max_rank",
+    "observed attention, mean": "observed_mean_rank",
+    "quest bound, max": "page_bound_max_rank",
+    "key norm": "key_norm_rank",
+    "key distinctiveness": "key_distinct_rank",
+    "recency": "position",
+}
+
+
+class ScoredRanking:
+    """A controller from a scoring function of the block features (``[L, N, F]`` tensor → ``[L, N]``
+    keep scores): keeps each layer's top-b (``keep_top``)."""
+
+    def __init__(self, score):
+        self.score = score
+
+    def decide(self, view: CacheView) -> list[Decision]:
+        return keep_top(view, self.score(torch.from_numpy(block_features(view))))
+
+
+def feature_score(column: str):
+    index = RANK_FEATURES.index(column)
+    return lambda features: features[..., index].float()
+
+
+def random_score(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return lambda features: torch.rand(features.shape[:-1], generator=generator)
+
+
+def _kl(reference: list[torch.Tensor], logits: list[torch.Tensor]) -> float:
+    p = torch.log_softmax(torch.stack(reference).float(), dim=-1)
+    q = torch.log_softmax(torch.stack(logits).float(), dim=-1)
+    return float((p.exp() * (p - q)).sum(dim=-1).mean())
+
+
+@torch.no_grad()
+def episode_table(model, prompt, policies: dict, budgets, max_new_tokens: int = 24, block_size: int = 16,
+                  eos_ids: set[int] | None = None) -> list[dict]:
+    """Replay regret and live KL of every policy (name → scoring function) on ``prompt`` at each budget: one
+    row per (budget, policy)."""
+    runner = Runner(model, None, CacheConfig(block_size=block_size), protocol="oneshot-question")
+    shared = runner.dense_prefill(prompt, max_new_tokens)
+    record = decision_point(model, prompt, max_new_tokens, eos_ids=eos_ids, shared=shared)
+    answer = record["answer"].tolist()
+    reference = runner.run(prompt, forced_tokens=answer, keep_logits=True, shared=shared).logits
+    rows = []
+    for budget in budgets:
+        decisions = Decisions([record], budgets=(budget,))
+        for name, score in policies.items():
+            regret = float(decisions.regret(score(decisions.features)).mean())
+            start = time.perf_counter()
+            live = Runner(model, None, CacheConfig(block_size=block_size), controller=ScoredRanking(score),
+                          budget=budget, protocol="oneshot-question").run(
+                prompt, forced_tokens=answer, keep_logits=True, shared=shared)
+            rows.append({"budget": budget, "policy": name, "replay_regret": regret,
+                         "live_kl": _kl(reference, live.logits), "fallbacks": live.fallbacks,
+                         "live_s": time.perf_counter() - start})
+    return rows
+
+
+def fidelity_summary(rows: list[dict]) -> dict:
+    """Per episode (sample, budget): Spearman of replay regret vs live KL over the policies; their mean."""
+    episodes = {}
+    for row in rows:
+        episodes.setdefault((row["sample"], row["budget"]), []).append(row)
+    per_episode = []
+    for (sample, budget), group in sorted(episodes.items()):
+        rho = spearman([r["replay_regret"] for r in group], [r["live_kl"] for r in group])
+        per_episode.append({"sample": sample, "budget": budget, "policies": len(group), "spearman": rho})
+    rhos = np.array([e["spearman"] for e in per_episode], np.float64)
+    return {"episodes": per_episode, "mean_spearman": float(np.nanmean(rhos)) if len(rhos) else float("nan"),
+            "min_spearman": float(np.nanmin(rhos)) if len(rhos) else float("nan")}
