@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. total_timesteps=20000 ppo.learning_rate=1e-4 name=try2")
 
-    ranker = commands.add_parser("ranker", help="the ranking policy: collect decision points, train it (agents.ranker)")
+    ranker = commands.add_parser("ranker", help="the ranking policy: collect decision points, train it, replay-vs-live fidelity (agents.ranker)")
     ranker_kinds = ranker.add_subparsers(dest="ranker", required=True)
     ranker_collect = ranker_kinds.add_parser(
         "collect", help="oneshot-question decision points of task samples: block features + future attention (.pt)")
