@@ -9,11 +9,11 @@ the full cache's last prompt token and greedy answer give each block. One ``.pt`
 **Streaming states** (``streaming_state``): the same sample run under the ``streaming`` protocol (chunked
 prefill, a budget, an optional host tier) with a *driver* controller deciding during the prefill; the block
 features the ``question`` decision point shows (offloaded blocks have no fresh attention there, only their key
-summaries), and those of two ``prefill`` decision points (half and three quarters of the prompt read) and of the first
-``decode`` one, with the same full-cache future attention (cut to the blocks read by then: what the question
-and answer will need). The driver's choices shape that state, so several
-drivers give the policy the states it will meet when it drives the prefill itself (DAgger, one round). Such
-a record carries its own ``budgets`` (the one it ran at) and ``host_blocks``.
+summaries), those of two ``prefill`` decision points (half and three quarters of the prompt read) and of the
+first ``decode`` one, with the same full-cache future attention (cut to the blocks read by then: what the
+question and answer will need). The driver's choices shape that state, so several drivers give the policy the
+states it will meet when it drives the prefill itself (DAgger, one round). Such a record carries its own
+``budgets`` (the one it ran at), ``phase`` and ``host_blocks``.
 
 **A decision** (``Decisions``): one layer of one decision point at one budget (a fraction of the context).
 Its reward is exact: ``-ranking_regret`` (``kvgym.envs.reward``), the future mass (max over query heads:
