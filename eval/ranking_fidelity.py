@@ -20,6 +20,7 @@ import torch
 from cache.controller import CacheView, Decision
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner
+from eval.harness import kl_divergence
 from eval.replay_compare import spearman
 from kvgym.envs.decisions import Decisions, decision_point
 from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top
@@ -59,12 +60,6 @@ def random_score(seed: int):
     return lambda features: torch.rand(features.shape[:-1], generator=generator)
 
 
-def _kl(reference: list[torch.Tensor], logits: list[torch.Tensor]) -> float:
-    p = torch.log_softmax(torch.stack(reference).float(), dim=-1)
-    q = torch.log_softmax(torch.stack(logits).float(), dim=-1)
-    return float((p.exp() * (p - q)).sum(dim=-1).mean())
-
-
 @torch.no_grad()
 def episode_table(model, prompt, policies: dict, budgets, max_new_tokens: int = 24, block_size: int = 16,
                   eos_ids: set[int] | None = None) -> list[dict]:
@@ -85,7 +80,7 @@ def episode_table(model, prompt, policies: dict, budgets, max_new_tokens: int = 
                           budget=budget, protocol="oneshot-question").run(
                 prompt, forced_tokens=answer, keep_logits=True, shared=shared)
             rows.append({"budget": budget, "policy": name, "replay_regret": regret,
-                         "live_kl": _kl(reference, live.logits), "fallbacks": live.fallbacks,
+                         "live_kl": float(kl_divergence(torch.stack(reference), torch.stack(live.logits)).mean()), "fallbacks": live.fallbacks,
                          "live_s": time.perf_counter() - start})
     return rows
 

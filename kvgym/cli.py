@@ -68,6 +68,16 @@ def parse_fraction_list(text: str) -> list[float]:
     return values
 
 
+def checked_tasks(text: str) -> list[str]:
+    """Comma-separated task names, each looked up so that an unknown task fails before the model is loaded."""
+    from eval.tasks.base import get_task
+
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    for task in tasks:
+        get_task(task)
+    return tasks
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     from cache.models import DEFAULT_MODEL, MODEL_ALIASES
 
@@ -548,12 +558,9 @@ def cmd_traces(args) -> int:
             print(spec, {budget: round(row["return"], 2) for budget, row in rows.items()})
         return 0
     from cache.models import load_model
-    from eval.tasks.base import get_task
     from kvgym.envs.traces import build_traces
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    for task in tasks:
-        get_task(task)  # an unknown task fails before the model is loaded
+    tasks = checked_tasks(args.tasks)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     entries = build_traces(loaded.model, loaded.tokenizer, tasks, args.lengths, args.n, args.seed, args.out,
                            prefill_chunk=args.prefill_chunk, max_new_tokens=args.max_new_tokens, chat=args.chat,
@@ -590,12 +597,9 @@ def cmd_ranker(args) -> int:
         return _ranker_fidelity(args)
     from agents.registry import make_controller
     from cache.models import load_model
-    from eval.tasks.base import get_task
     from kvgym.envs.decisions import collect
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    for task in tasks:
-        get_task(task)  # an unknown task fails before the model is loaded
+    tasks = checked_tasks(args.tasks)
     drivers = {spec.replace(":", "-").replace("/", "-"): make_controller(spec)
                for spec in (s.strip() for s in args.drivers.split(",")) if spec}
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -618,12 +622,9 @@ def _ranker_fidelity(args) -> int:
         random_score,
     )
     from eval.tasks import generate
-    from eval.tasks.base import get_task
     from eval.tasks.prompt import build_prompt
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    for task in tasks:
-        get_task(task)
+    tasks = checked_tasks(args.tasks)
     ranker, _ = load_ranker(args.policy)
     policies = {f"ranker:{args.policy}": lambda features: ranker(features.float())[0],
                 **{name: feature_score(column) for name, column in FEATURE_POLICIES.items()},
