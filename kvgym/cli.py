@@ -314,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--samples", type=Path, required=True, help="a samples.jsonl written by kvgym eval")
     compare.add_argument("--controller", required=True, help="its name as in the results, e.g. ranker:policies/x.pt")
     compare.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    report = commands.add_parser(
+        "report", help="rewrite a results folder's summary (md, csv, plots) from every record in its samples.jsonl")
+    report.add_argument("folder", type=Path, help="a folder written by kvgym eval (possibly by several runs)")
+    report.add_argument("--no-plots", action="store_true")
     board = commands.add_parser("tensorboard", help="start TensorBoard on the training runs (offline)")
     board.add_argument("--logdir", type=Path, default=Path("runs"))
     board.add_argument("--port", type=int, default=6006)
@@ -685,11 +689,28 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    """``kvgym eval`` summarises the cells it was asked for; runs added to one folder by several commands (other
+    controllers, budgets or n) are summarised together here. A record run twice (same key) counts once."""
+    from eval.harness import record_key
+    from eval.report import read_jsonl, write_report
+
+    samples = args.folder / "samples.jsonl"
+    if not samples.is_file():
+        raise ValueError(f"{args.folder}: no samples.jsonl in it; give a folder written by kvgym eval")
+    records = list({record_key(record): record for record in read_jsonl(samples)}.values())
+    if not records:
+        raise ValueError(f"{samples}: no records")
+    rows = write_report(records, args.folder, plots=not args.no_plots)
+    print(f"{args.folder / 'summary.md'}: {len(rows)} rows from {len(records)} records")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth,
                 "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "ranker": cmd_ranker, "tensorboard": cmd_tensorboard,
-                "peer": cmd_peer, "compare": cmd_compare}
+                "peer": cmd_peer, "compare": cmd_compare, "report": cmd_report}
     from cache.models import ModelBuildError
 
     try:

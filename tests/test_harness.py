@@ -312,3 +312,26 @@ def test_paired_differences_pair_scores_by_sample(tmp_path, capsys):
     assert json.loads((tmp_path / "p.json").read_text())[0]["other"] == "b"
     assert main(["compare", "--samples", str(tmp_path / "missing.jsonl"), "--controller", "a"]) == 2
     assert "--samples" in capsys.readouterr().err
+
+
+def test_report_summarises_every_record_of_a_folder(tmp_path, capsys):
+    """Cells written by two eval commands are summarised together; a record written twice counts once; a
+    folder without samples.jsonl is refused, naming it."""
+    from kvgym.cli import main
+
+    def record(controller, index, score, budget):
+        return {"controller": controller, "budget": budget, "task": "passkey", "length": 1024, "index": index,
+                "seed": 7, "sample_hash": f"h{index}", "score": score, "metric": "exact"}
+
+    records = ([record("full", i, 1.0, 1.0) for i in range(4)] + [record("a", i, float(i < 2), 0.25) for i in range(4)]
+               + [record("b", i, 0.0, 0.5) for i in range(4)] + [record("a", 0, 1.0, 0.25)])  # a rerun of one record
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", str(tmp_path), "--no-plots"]) == 0
+    assert "3 rows from 12 records" in capsys.readouterr().out
+    with open(tmp_path / "summary.csv") as f:
+        table = {(r["controller"], r["budget"]): r for r in csv.DictReader(f)}
+    assert set(table) == {("full", "1"), ("a", "0.25"), ("b", "0.5")}
+    assert table[("a", "0.25")]["n"] == "4" and float(table[("a", "0.25")]["accuracy"]) == 0.5
+    assert "b" in (tmp_path / "summary.md").read_text()
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "no samples.jsonl" in capsys.readouterr().err
