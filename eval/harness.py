@@ -42,7 +42,9 @@ Design:
 - **Resuming.** A run whose key ``(controller, budget, task, length, index, seed, sample_hash)`` is already in
   ``samples.jsonl`` is skipped. ``sample_hash`` is a hash of the sample's text, answer prefix, gold answers
   and turns, so a sample whose content changed (an edited tasks file, a changed generator) runs again and
-  its old rows are not reported. When only
+  its old rows are not reported. A controller whose spec names a file (a policy: ``ranker:policies/x.pt``)
+  records the file's digest (``controller_digest``); its records count as done only while the file is the
+  same, so a retrained policy evaluated into the same folder runs again (with a warning). When only
   some of a sample's runs are missing, the full-cache reference is run again (deterministic) for its logits
   but not written twice. A truncated last line (an interrupted write) is dropped with a warning; any other
   unreadable line is an error naming it.
@@ -58,6 +60,7 @@ import hashlib
 import json
 import math
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -411,6 +414,20 @@ def _turn_view(sample, number: int):
     return {"metric": sample.metric, "outputs": sample.turns[number - 1].outputs, "task": sample.task}
 
 
+def controller_digest(spec: str) -> str | None:
+    """A digest (sha256, 16 hex digits) of the files ``spec`` names (a policy file: ``ranker:policies/x.pt``), or
+    None when it names none."""
+    from agents.registry import parse_spec
+
+    files = [Path(value) for value in parse_spec(spec)[1].values() if isinstance(value, str) and Path(value).is_file()]
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def record_key(record: dict) -> tuple:
     return (str(record["controller"]), float(record["budget"]), str(record["task"]), int(record["length"]),
             int(record["index"]), int(record["seed"]), str(record.get("sample_hash", "")))
@@ -518,6 +535,14 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
     done = load_records(samples_path)
 
     runs = [(FULL, FULL_BUDGET)] + [(spec, budget) for spec in specs if spec != FULL for budget in budget_list]
+    digests = {spec: controller_digest(spec) for spec, _ in runs}
+    stale = Counter(key[0] for key, record in done.items()
+                    if key[0] in digests and record.get("controller_digest") != digests[key[0]])
+    for spec, count in stale.items():
+        warnings.warn(f"{samples_path}: {count} records of {spec} were made with another version of the file it "
+                      "names (or before digests were recorded); those runs go again", stacklevel=2)
+    done = {key: record for key, record in done.items()
+            if key[0] not in digests or record.get("controller_digest") == digests[key[0]]}
     context = _Context(model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every, protocol,
                        decode_budget, share_prefill)
     wanted: list[tuple] = []
@@ -532,7 +557,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
                 missing = [key for key in keys if key not in done]
                 bar.update(len(keys) - len(missing))
                 if missing:
-                    _run_sample(context, item, sample, sample_seed_value, keys, done, sink, bar)
+                    _run_sample(context, item, sample, sample_seed_value, keys, done, sink, bar, digests)
     finally:
         bar.close()
 
@@ -560,7 +585,7 @@ def _make_sample(context: _Context, item: _Work, generators: dict, seed: int):
 
 
 def _run_sample(context: _Context, item: _Work, sample, sample_seed_value, keys: list[tuple], done: dict, sink,
-                bar) -> None:
+                bar, digests: dict) -> None:
     from agents.registry import make_controller, parse_spec
     from eval.tasks.prompt import build_prompt
 
@@ -601,6 +626,8 @@ def _run_sample(context: _Context, item: _Work, sample, sample_seed_value, keys:
                 raise ValueError(f"{where}, controller {spec} at budget {budget:g}: {err}") from None
         record = _record(dict(zip(KEY_FIELDS, key, strict=True)), sample, sample_seed_value, result, reference, forced,
                          context.protocol)
+        if digests.get(spec) is not None:
+            record["controller_digest"] = digests[spec]
         sink.write(json.dumps(record) + "\n")
         sink.flush()
         done[key] = record

@@ -335,3 +335,36 @@ def test_report_summarises_every_record_of_a_folder(tmp_path, capsys):
     assert "b" in (tmp_path / "summary.md").read_text()
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "no samples.jsonl" in capsys.readouterr().err
+
+
+def test_a_changed_policy_file_runs_again(tiny_model, tmp_path, scored, counted_runs, monkeypatch):
+    """Records of a controller that names a file carry the file's digest; while it is unchanged a rerun does
+    nothing, once it changes (a retrained policy) that controller's runs go again, with a warning."""
+    import eval.harness as harness
+
+    policy = tmp_path / "policy.pt"
+    policy.write_bytes(b"version 1")
+    digest = harness.controller_digest(f"ranker:{policy}")
+    assert digest is not None and harness.controller_digest(f"ranker:path={policy}") == digest
+    assert harness.controller_digest("lru") is None and harness.controller_digest("h2o:heavy_ratio=0.25") is None
+    policy.write_bytes(b"version 2")
+    assert harness.controller_digest(f"ranker:{policy}") != digest
+
+    version = {"lru": "a"}
+    monkeypatch.setattr(harness, "controller_digest", lambda spec: version.get(spec))
+    out = tmp_path / "eval"
+    _evaluate(tiny_model, out, tasks=["fake_key"], lengths=[64], controllers=["lru"])
+    runs, lines = len(counted_runs), _lines(out / "samples.jsonl")
+    records = [json.loads(line) for line in lines]
+    assert {r.get("controller_digest") for r in records if r["controller"] == "lru"} == {"a"}
+    assert all("controller_digest" not in r for r in records if r["controller"] == "full")
+    _evaluate(tiny_model, out, tasks=["fake_key"], lengths=[64], controllers=["lru"])
+    assert len(counted_runs) == runs  # same file: nothing runs
+    version["lru"] = "b"
+    with pytest.warns(UserWarning, match="4 records of lru were made with another version"):
+        _evaluate(tiny_model, out, tasks=["fake_key"], lengths=[64], controllers=["lru"])
+    assert len(counted_runs) == 2 * runs  # lru at both budgets again, and the full reference for its logits
+    records = [json.loads(line) for line in _lines(out / "samples.jsonl")]
+    assert len(records) == len(lines) + 4 and [r["controller_digest"] for r in records[-4:]] == ["b"] * 4
+    summary = (out / "summary.csv").read_text()
+    assert summary.count("\nlru,") == 2  # reported once per budget, from the new records
