@@ -536,13 +536,14 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
 
     runs = [(FULL, FULL_BUDGET)] + [(spec, budget) for spec in specs if spec != FULL for budget in budget_list]
     digests = {spec: controller_digest(spec) for spec, _ in runs}
-    stale = Counter(key[0] for key, record in done.items()
-                    if key[0] in digests and record.get("controller_digest") != digests[key[0]])
+    stale = Counter()  # records of this run's controllers made with another version of the file they name
+    for key, record in list(done.items()):
+        if key[0] in digests and record.get("controller_digest") != digests[key[0]]:
+            stale[key[0]] += 1
+            del done[key]
     for spec, count in stale.items():
         warnings.warn(f"{samples_path}: {count} records of {spec} were made with another version of the file it "
                       "names (or before digests were recorded); those runs go again", stacklevel=2)
-    done = {key: record for key, record in done.items()
-            if key[0] not in digests or record.get("controller_digest") == digests[key[0]]}
     context = _Context(model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every, protocol,
                        decode_budget, share_prefill)
     wanted: list[tuple] = []

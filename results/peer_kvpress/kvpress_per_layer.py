@@ -113,6 +113,13 @@ def table(out_path, kvgym_samples, peer_results):
     peer = {(r["press"], r["index"]): r["correct"] for r in read(peer_results) if r["ratio"] == RATIO}
     kvgym = {(r["controller"], r["index"]): r["score"] == 1.0 for r in read(kvgym_samples)}
     indices = sorted({index for _, index in peer})
+    def accuracy(table_, key):
+        values = [table_[(key, i)] for i in indices if (key, i) in table_]
+        return (sum(values) / len(values), len(values)) if values else (None, 0)
+
+    def show(cell):
+        return "—" if cell[0] is None else f"{cell[0]:.3f}"
+
     summary = {}
     print("| press | n | kvpress (peer file) | kvpress rerun here (same correctness as the peer file) | kvpress per layer | kvgym, block size 1 |"
           " kvgym = kvpress per layer |")
@@ -121,18 +128,11 @@ def table(out_path, kvgym_samples, peer_results):
         if (press, indices[0]) not in ours and (f"{press}_per_layer", indices[0]) not in ours:
             continue
 
-        def accuracy(table_, key):
-            values = [table_[(key, i)] for i in indices if (key, i) in table_]
-            return (sum(values) / len(values), len(values)) if values else (None, 0)
-
         cells = [accuracy(peer, press), accuracy(ours, press), accuracy(ours, f"{press}_per_layer"),
                  accuracy(kvgym, name)]
         same_rerun = sum(ours[(press, i)] == peer[(press, i)] for i in indices if (press, i) in ours)
         agree = sum(ours[(f"{press}_per_layer", i)] == kvgym[(name, i)] for i in indices
                     if (f"{press}_per_layer", i) in ours and (name, i) in kvgym)
-
-        def show(cell):
-            return "—" if cell[0] is None else f"{cell[0]:.3f}"
 
         rerun = show(cells[1]) + (f" ({same_rerun}/{cells[1][1]})" if cells[1][1] else "")
         print(f"| {press} | {len(indices)} | {show(cells[0])} | {rerun} | {show(cells[2])} | {show(cells[3])} | "
