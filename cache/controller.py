@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import cached_property
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -28,11 +28,19 @@ def page_bounds(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tenso
     (``repeat_kv``). Since ``q_c·k_c ≤ max(q_c·M_c, q_c·m_c)`` for every key in the page, ``U ≥ q·k`` for each.
     Known for offloaded blocks too (their key summaries stay), so it ranks what a prefetch could bring back.
     """
-    group = query.shape[1] // key_max.shape[2]
-    low = key_min.repeat_interleave(group, dim=2)  # [L, N, heads, dim]
-    high = key_max.repeat_interleave(group, dim=2)
-    q = query[:, None]  # [L, 1, heads, dim]
-    return torch.maximum(q * high, q * low).sum(dim=-1)
+    num_layers, heads, dim = query.shape
+    kv_heads = key_max.shape[2]
+    q = query.view(num_layers, 1, kv_heads, heads // kv_heads, dim)  # [L, 1, kv, group, dim]
+    bound = torch.maximum(q * key_max[:, :, :, None], q * key_min[:, :, :, None]).sum(dim=-1)  # [L, N, kv, group]
+    return bound.flatten(2)
+
+
+def unit_cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Cosine similarity over the last dim of broadcastable ``a`` and ``b`` (``cosine_similarity``'s value,
+    without its slow broadcasting path)."""
+    a = a / a.norm(dim=-1, keepdim=True).clamp(min=eps)
+    b = b / b.norm(dim=-1, keepdim=True).clamp(min=eps)
+    return (a * b).sum(dim=-1)
 
 
 class Op(IntEnum):
@@ -42,8 +50,7 @@ class Op(IntEnum):
     PREFETCH = 3
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):  # a named tuple: a ranking decision creates thousands of them at once
     layer: int
     block: int
     op: Op
@@ -277,8 +284,7 @@ class CacheView:
         heads); zeros before the first attention call."""
         if self.query_summary is None:
             return torch.zeros(self.num_layers, self.num_blocks)
-        cosine = torch.nn.functional.cosine_similarity(self.mean_key, self.query_summary[:, None], dim=-1)
-        return cosine.mean(dim=-1)
+        return unit_cosine(self.mean_key, self.query_summary[:, None]).mean(dim=-1)
 
     @cached_property
     def page_bound(self) -> torch.Tensor | None:

@@ -237,6 +237,7 @@ class PagedLayer(CacheLayerMixin):
                 pool.log_weights[physical, offset] = 0.0
             if offset == 0 and block > 0:  # the previous block just became full: summarise its keys
                 cache.summarize_keys(layer, torch.tensor([block - 1]))
+            cache.key_stats_stale.add(layer)  # the newest block's summary waits for refresh_key_stats
             logical = block + layer * cache.max_blocks
         else:
             slots, logical = cache.tables.append(layer, num_new, pool.allocator)
@@ -386,6 +387,7 @@ class PagedKVCache(Cache):
         self.last_forward_queries = 0  # queries whose attention went into the latest statistics
         self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
         self.operation_log: list[dict] = []
+        self.key_stats_stale: set[int] = set()  # layers whose newest block took decode tokens since its summary
         super().__init__(layers=[self.layer_class(self, i) for i in range(self.num_layers)])
 
     # ----------------------------------------------------------------- transformers plumbing
@@ -508,11 +510,13 @@ class PagedKVCache(Cache):
         self.stats.summarize_keys(layer, blocks, keys, self.tables.num_tokens[layer, blocks])
 
     def refresh_key_stats(self) -> None:
-        """Bring every layer's newest (partially filled) block's key summaries up to date."""
-        for layer in range(self.num_layers):
+        """Bring the newest block's key summaries up to date in every layer that decoded since its last
+        summary (a chunked forward summarises every block it writes; merges re-summarise what they change)."""
+        for layer in sorted(self.key_stats_stale):
             n = self.tables.num_logical(layer)
             if n and self.pools[layer]:
                 self.summarize_keys(layer, torch.tensor([n - 1]))
+        self.key_stats_stale.clear()
 
     def _count_read(self, layer: int, resident: int) -> None:
         read = resident * self.bytes_per_token
@@ -1004,6 +1008,7 @@ class PagedKVCache(Cache):
         new.sentence_end = self.sentence_end.clone()
         new.bytes_moved = defaultdict(int, self.bytes_moved)
         new.operation_log = list(self.operation_log)
+        new.key_stats_stale = set(self.key_stats_stale)
         return new
 
     def reopen_disk(self) -> None:

@@ -136,3 +136,37 @@ def test_per_head_last_query_max_and_observer_statistics_match_eager_weights(tin
     assert torch.allclose(cache.stats.observers[0, :n], expected)
     assert torch.allclose(view.observed_mass[0], view.acc_mass[0] / (expected / view.num_tokens[0]).clamp(min=1))
     assert view.window_queries[0].shape == (4, window, 16)
+
+
+@torch.no_grad()
+def test_refresh_key_stats_follows_decode_in_every_layer_and_in_clones(tiny_model):
+    """Only layers that decoded since their last summary are refreshed: a second round of decode steps, in the
+    cache and in a clone, still leaves every layer's newest block summarised from its current keys."""
+    cache = PagedKVCache(tiny_model.config, CacheConfig(block_size=BLOCK))
+    tiny_model(input_ids=torch.randint(2, 256, (1, 37), generator=torch.Generator().manual_seed(5)), cache=cache,
+               use_cache=True)
+
+    def newest_block_matches(c: PagedKVCache) -> bool:
+        c.refresh_key_stats()
+        n = c.tables.num_logical(0)
+        count = int(c.tables.num_tokens[0, n - 1])
+        ok = True
+        for layer in range(c.num_layers):
+            keys = c.device_pool(layer).keys[c.tables.physical[layer, n - 1], :count]  # [count, kv, dim]
+            ok &= torch.equal(c.stats.key_max[layer, n - 1], keys.amax(dim=0))
+            ok &= torch.allclose(c.stats.key_sum[layer, n - 1], keys.sum(dim=0), atol=1e-5)
+        return bool(ok)
+
+    for token in (5, 6):
+        tiny_model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+    assert newest_block_matches(cache)
+    assert not cache.key_stats_stale  # refreshed: nothing left to do until the next decode step
+    tiny_model(input_ids=torch.tensor([[7]]), cache=cache, use_cache=True)
+    copy = cache.clone()
+    for c in (cache, copy):
+        tiny_model(input_ids=torch.tensor([[8]]), cache=c, use_cache=True)
+        assert newest_block_matches(c)
+    # negative control: a decode step whose layer is not marked stale leaves the newest summary behind
+    tiny_model(input_ids=torch.tensor([[9]]), cache=cache, use_cache=True)
+    cache.key_stats_stale.clear()
+    assert not newest_block_matches(cache)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cache.controller import PHASES, CacheView, Decision, Op
+from cache.controller import PHASES, CacheView, Decision, Op, unit_cosine
 from cache.tiers import Tier
 
 MASS_KINDS = (("last", "mean"), ("last", "max"), ("last_query", "mean"), ("last_query", "max"),
@@ -45,7 +45,9 @@ def within_layer_rank(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """``[L, N]`` → each valid entry's rank among its layer's valid entries, scaled to 0 (lowest) .. 1 (highest);
     invalid entries get 0. Ties share the lower rank's order (stable)."""
     keyed = np.where(valid, values, -np.inf)
-    ranks = np.argsort(np.argsort(keyed, axis=1, kind="stable"), axis=1, kind="stable").astype(np.float32)
+    order = np.argsort(keyed, axis=1, kind="stable")
+    ranks = np.empty(keyed.shape, np.float32)
+    np.put_along_axis(ranks, order, np.arange(keyed.shape[1], dtype=np.float32)[None], axis=1)
     invalid = (~valid).sum(axis=1, keepdims=True)
     count = np.maximum(valid.sum(axis=1, keepdims=True) - 1, 1)
     return np.where(valid, (ranks - invalid) / count, 0.0).astype(np.float32)
@@ -109,7 +111,7 @@ def block_features(view: CacheView) -> np.ndarray:
         keys = mean_key.float()
         norm = -keys.norm(dim=-1).mean(dim=-1)  # Knorm: a low key norm draws attention
         layer_mean = (keys * torch.from_numpy(valid)[..., None, None]).sum(dim=1, keepdim=True)
-        distinct = -torch.nn.functional.cosine_similarity(keys, layer_mean, dim=-1).mean(dim=-1)  # KeyDiff
+        distinct = -unit_cosine(keys, layer_mean).mean(dim=-1)  # KeyDiff
         features[..., next(column)] = within_layer_rank(norm.numpy(), valid)
         features[..., next(column)] = within_layer_rank(distinct.numpy(), valid)
     else:
