@@ -38,9 +38,8 @@ def page_bounds(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tenso
 def unit_cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Cosine similarity over the last dim of broadcastable ``a`` and ``b`` (``cosine_similarity``'s value,
     without its slow broadcasting path)."""
-    a = a / a.norm(dim=-1, keepdim=True).clamp(min=eps)
-    b = b / b.norm(dim=-1, keepdim=True).clamp(min=eps)
-    return (a * b).sum(dim=-1)
+    normalize = torch.nn.functional.normalize
+    return (normalize(a, dim=-1, eps=eps) * normalize(b, dim=-1, eps=eps)).sum(dim=-1)
 
 
 class Op(IntEnum):
