@@ -8,7 +8,8 @@ cache scores 0, and then ``full_cache_failed`` is 1), and the means of ``kl``, `
 ``bytes_moved_per_token``, ``decode_ms_per_token`` and ``ttft_ms``. The full cache has one row per task and
 length, with budget 1.0. ``summary.md`` holds the same table, flags the groups where the full cache fails,
 and adds the mean over tasks of ``rel_accuracy`` per controller and budget, which leaves those groups out
-(and says so) rather than averaging them in.
+(and says so) rather than averaging them in, and a table pooled over tasks on the samples every controller
+of a budget ran (``pooled_common``: a grid cut part-way still compares like with like).
 """
 
 from __future__ import annotations
@@ -141,6 +142,46 @@ def paired_differences(records: list[dict], controller: str, boot: int = 4000, s
     return sorted(rows, key=lambda row: row["budget"])
 
 
+def pooled_common(records: list[dict]) -> list[dict]:
+    """Per budget, every controller's accuracy pooled over tasks and lengths on the samples that **all** the
+    budget's controllers (and the full cache, where it ran) ran, so that the rows compare like with like when a
+    grid was cut part-way: ``n`` samples, accuracy with its Wilson 95% interval, ``rel_accuracy`` (over the full
+    cache's accuracy on the same samples) and the mean bytes moved between tiers per generated token. The full
+    cache's row is listed first at each budget (with that budget)."""
+    by_key: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
+    for record in records:
+        sample = (record["task"], int(record["length"]), record.get("sample_hash") or record["index"])
+        by_key[(record["controller"], float(record["budget"]))][sample] = record
+    full = next((got for (name, _), got in by_key.items() if name == FULL), None)
+    rows = []
+    for budget in sorted({b for name, b in by_key if name != FULL}):
+        names = [name for name, b in by_key if b == budget and name != FULL]
+        common = set.intersection(*(set(by_key[(name, budget)]) for name in names))
+        if full is not None:
+            common &= set(full)
+        if not common:
+            continue
+        full_accuracy = _mean(full[s]["score"] for s in common) if full is not None else math.nan
+        for name in ([FULL] if full is not None else []) + names:
+            got = [(full if name == FULL else by_key[(name, budget)])[s] for s in sorted(common, key=str)]
+            accuracy = _mean(r["score"] for r in got)
+            ci_low, ci_high = wilson_interval(sum(float(r["score"]) for r in got), len(got))
+            rows.append({"controller": name, "budget": budget, "n": len(got), "accuracy": accuracy,
+                         "ci_low": ci_low, "ci_high": ci_high,
+                         "rel_accuracy": accuracy / full_accuracy if full_accuracy > 0 else math.nan,
+                         "bytes_moved_per_token": _mean(r.get("bytes_moved_per_token") for r in got)})
+    return rows
+
+
+def pooled_common_md(rows: list[dict]) -> str:
+    header = ["budget", "controller", "n", "accuracy", "95% CI", "rel_accuracy", "MB moved / token"]
+    return _md_table(header, [[_format("budget", r["budget"]), r["controller"], str(r["n"]),
+                               _format("accuracy", r["accuracy"]),
+                               f"{_format('ci_low', r['ci_low'])} .. {_format('ci_high', r['ci_high'])}",
+                               _format("rel_accuracy", r["rel_accuracy"]), f"{r['bytes_moved_per_token'] / 1e6:.1f}"]
+                              for r in rows])
+
+
 def paired_differences_md(rows: list[dict]) -> str:
     header = ["budget", "vs", "n", "accuracy", "theirs", "difference", "95% CI", "won / tied / lost"]
     return _md_table(header, [[_format("budget", r["budget"]), r["other"], str(r["n"]), f"{r['mean']:.3f}",
@@ -155,7 +196,7 @@ def _md_table(header: list[str], lines: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def write_summary_md(rows: list[dict], path: Path) -> None:
+def write_summary_md(rows: list[dict], path: Path, pooled: list[dict] | None = None) -> None:
     failed = sorted({(r["task"], r["length"]) for r in rows if r["full_cache_failed"]})
     header = list(SUMMARY_COLUMNS[:-1]) + ["flag"]
     lines = [[_format(c, row[c]) for c in SUMMARY_COLUMNS[:-1]]
@@ -184,6 +225,11 @@ def write_summary_md(rows: list[dict], path: Path) -> None:
                   _md_table(["controller", "budget", "groups", "mean accuracy", "mean rel_accuracy"],
                             [[c, _format("budget", b), str(len(v)), _format("accuracy", _mean(accuracies[(c, b)])),
                               _format("rel_accuracy", _mean(v))] for (c, b), v in means.items()]), ""]
+    if pooled:
+        parts += ["## Pooled over tasks, on the samples every controller of the budget ran", "",
+                  "Wilson 95% intervals; rel_accuracy over the full cache on the same samples; bytes moved between "
+                  "tiers per generated token. Only the samples common to all of a budget's controllers count, so "
+                  "a cut grid still compares like with like.", "", pooled_common_md(pooled), ""]
     text_rows = [r for r in rows if r["metric"] == "kl"]
     if text_rows:
         parts += ["## Natural text: perplexity of the teacher-forced continuation", "",
@@ -287,7 +333,7 @@ def write_report(records: list[dict], out_dir: str | Path, plots: bool = True) -
     out = Path(out_dir)
     rows = summarize(records)
     write_summary_csv(rows, out / "summary.csv")
-    write_summary_md(rows, out / "summary.md")
+    write_summary_md(rows, out / "summary.md", pooled_common(records))
     if plots and rows:
         plot_accuracy_vs_budget(rows, out / "accuracy_vs_budget.png")
         plot_bytes_vs_context(rows, out / "bytes_vs_context.png")

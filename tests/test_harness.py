@@ -368,3 +368,33 @@ def test_a_changed_policy_file_runs_again(tiny_model, tmp_path, scored, counted_
     assert len(records) == len(lines) + 4 and [r["controller_digest"] for r in records[-4:]] == ["b"] * 4
     summary = (out / "summary.csv").read_text()
     assert summary.count("\nlru,") == 2  # reported once per budget, from the new records
+
+
+def test_pooled_common_compares_only_the_samples_every_controller_ran():
+    """A controller cut after 2 of 4 samples limits the budget's pooled table to those 2 (for the full cache and
+    every controller alike); another budget keeps its own common set; scores pool over tasks, with Wilson
+    intervals and accuracy relative to the full cache on the same samples. Negative control: pooled over all
+    of each controller's samples instead, the cut controller's row would read differently from the others'."""
+    from eval.report import pooled_common, wilson_interval
+
+    def record(controller, task, index, score, budget, moved=0.0):
+        return {"controller": controller, "budget": budget, "task": task, "length": 2048, "index": index,
+                "sample_hash": f"{task}{index}", "score": score, "bytes_moved_per_token": moved}
+
+    tasks = ("passkey", "niah")
+    records = ([record("full", t, i, 1.0 if i < 3 else 0.0, 1.0) for t in tasks for i in range(4)]
+               + [record("a", t, i, 1.0, 0.25, moved=2e6) for t in tasks for i in range(4)]
+               + [record("b", t, i, 0.0 if t == "niah" else 1.0, 0.25) for t in tasks for i in range(2)]
+               + [record("a", t, i, 0.0, 0.5) for t in tasks for i in range(4)])
+    rows = pooled_common(records)
+    at_quarter = {r["controller"]: r for r in rows if r["budget"] == 0.25}
+    assert list(at_quarter) == ["full", "a", "b"]
+    assert {r["n"] for r in at_quarter.values()} == {4}  # 2 tasks x the 2 samples b ran
+    assert at_quarter["full"]["accuracy"] == 1.0 and at_quarter["a"]["accuracy"] == 1.0
+    assert at_quarter["b"]["accuracy"] == 0.5 and at_quarter["b"]["rel_accuracy"] == 0.5
+    assert (at_quarter["b"]["ci_low"], at_quarter["b"]["ci_high"]) == pytest.approx(wilson_interval(2, 4))
+    assert at_quarter["a"]["bytes_moved_per_token"] == 2e6
+    at_half = {r["controller"]: r for r in rows if r["budget"] == 0.5}
+    assert at_half["full"]["n"] == 8 and at_half["full"]["accuracy"] == 0.75 and at_half["a"]["rel_accuracy"] == 0.0
+    all_of_full = sum(r["score"] for r in records if r["controller"] == "full") / 8
+    assert all_of_full != at_quarter["full"]["accuracy"]  # the cut is what makes the common set matter
