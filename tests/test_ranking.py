@@ -170,6 +170,32 @@ def test_keep_top_prefetches_offloaded_blocks_that_rise(tiny_model):
     assert ((after.tier == 0).sum(dim=1) == 5).all()
 
 
+def test_keep_top_stay_margin_keeps_residents_against_a_near_tie_only(tiny_model):
+    """With ``stay`` the resident blocks rank ``stay`` score std devs higher: an offloaded block that beats the
+    weakest resident by less than that stays on the host (no operation at all), one that beats it by more still
+    comes back, and the budget holds either way. Negative control: without the margin the near tie swaps."""
+    from cache.controller import apply_decisions
+
+    cache, view = view_after_prefill(tiny_model)
+    n = view.num_blocks
+    oldest_first = torch.arange(n, dtype=torch.float32).flip(0).expand(2, n).clone()
+    apply_decisions(cache, keep_top(view, oldest_first))  # blocks 1-3 stay on device, 4..n-2 go to the host
+    view = CacheView.from_cache(cache, [5, 5], phase="compress")
+    near = oldest_first.clone()
+    near[:, n - 2] = near[:, 3] + 0.5  # offloaded block n-2 now just beats resident block 3
+    swaps = keep_top(view, near)
+    assert sorted((d.block, d.op) for d in swaps if d.layer == 0) == [(3, Op.EVICT), (n - 2, Op.PREFETCH)]
+    assert keep_top(view, near, stay=0.5) == []  # std of the candidates' scores ~ n / 3.5: margin > 0.5
+    far = oldest_first.clone()
+    far[:, n - 2] = 1e6
+    assert sorted((d.block, d.op) for d in keep_top(view, far, stay=0.5) if d.layer == 1) == [(3, Op.EVICT),
+                                                                                              (n - 2, Op.PREFETCH)]
+    with pytest.raises(ValueError, match="stay"):
+        keep_top(view, near, stay=-1.0)
+    controller = make_controller("ranker:policies/ranker_smollm2.pt,stay=0.5")
+    assert isinstance(controller, RankerController) and controller.stay == 0.5
+
+
 def test_keep_top_leaves_exactly_the_pinned_and_top_scored_blocks_on_device(tiny_model):
     """Reference: a plain per-layer sort (score descending, then block order); ties, offloaded and dropped
     blocks, budgets that differ per layer."""

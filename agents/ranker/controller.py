@@ -18,6 +18,7 @@ class RankerController:
     positional_parameter = "path"
     path: str = "policies/ranker_smollm2.pt"
     merge: bool = True  # false: never merge (evict whatever falls out)
+    stay: float = 0.0  # hysteresis: resident blocks rank this many score std devs higher (keep_top's ``stay``)
     _model: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -30,4 +31,4 @@ class RankerController:
 
     def decide(self, view: CacheView) -> list[Decision]:
         keep, merge = self.scores(view)
-        return keep_top(view, keep, merge if self.merge else None)
+        return keep_top(view, keep, merge if self.merge else None, stay=self.stay)

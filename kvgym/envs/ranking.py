@@ -130,18 +130,30 @@ def block_features(view: CacheView) -> np.ndarray:
     return features
 
 
-def keep_top(view: CacheView, scores, merge=None) -> list[Decision]:
+def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Decision]:
     """Decisions that leave on each layer's device its pinned blocks plus its highest ``scores`` (``[L, N]``)
     blocks up to the layer's budget (dropped blocks cannot return). A device block that falls out is merged
     into its neighbours where ``merge`` (``[L, N]``, optional) is > 0 and merging is legal, else evicted; an
     offloaded block that rises in is prefetched. Order per layer: prefetches into free device slots, then
-    evictions and merges, then the prefetches that need the room they free."""
+    evictions and merges, then the prefetches that need the room they free.
+
+    ``stay`` ≥ 0 is a hysteresis against moving blocks back and forth: the blocks already on device rank with
+    ``stay`` standard deviations of their layer's candidate scores added, so an offloaded block comes back only
+    when it beats the resident block it displaces by that margin (0: the plain top-b)."""
     scores = np.asarray(scores, np.float64)
     if scores.shape != (view.num_layers, view.num_blocks):
         raise ValueError(f"ranking scores: expected shape {(view.num_layers, view.num_blocks)}, got {scores.shape}")
+    if not stay >= 0:
+        raise ValueError(f"stay: expected a margin >= 0 (in standard deviations of a layer's scores), got {stay!r}")
     tier, pinned = view.tier.numpy(), view.pinned.numpy()
     live = tier != Tier.DROPPED
     candidates = live & ~pinned
+    if stay > 0:
+        finite = candidates & np.isfinite(scores)
+        count = np.maximum(finite.sum(axis=1, keepdims=True), 1)
+        mean = np.where(finite, scores, 0.0).sum(axis=1, keepdims=True) / count
+        spread = np.sqrt(np.where(finite, (scores - mean) ** 2, 0.0).sum(axis=1, keepdims=True) / count)
+        scores = scores + stay * spread * (tier == Tier.DEVICE)
     room = np.maximum(view.budget_blocks.numpy().astype(np.int64) - (pinned & live).sum(axis=1), 0)
     # best first among each layer's candidates; ties keep block order; NaN ranks last among candidates
     keyed = np.where(candidates, np.nan_to_num(scores, nan=-1e300, posinf=1e300, neginf=-1e300), -np.inf)
