@@ -109,6 +109,11 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def _sample_key(record: dict) -> tuple:
+    """What makes two records the same sample: task, length and the sample's hash (its index in old records)."""
+    return record["task"], int(record["length"]), record.get("sample_hash") or record["index"]
+
+
 def paired_differences(records: list[dict], controller: str, boot: int = 4000, seed: int = 0) -> list[dict]:
     """``controller`` against every other controller at each budget, on the samples both ran (matched by
     task, length and sample hash; pooled over tasks and lengths): mean score difference, its paired-bootstrap
@@ -117,8 +122,7 @@ def paired_differences(records: list[dict], controller: str, boot: int = 4000, s
 
     scores: dict[tuple, dict[tuple, float]] = defaultdict(dict)
     for record in records:
-        sample = (record["task"], int(record["length"]), record.get("sample_hash") or record["index"])
-        scores[(record["controller"], float(record["budget"]))][sample] = float(record["score"])
+        scores[(record["controller"], float(record["budget"]))][_sample_key(record)] = float(record["score"])
     mine = {budget: got for (name, budget), got in scores.items() if name == controller}
     if not mine:
         known = sorted({name for name, _ in scores})
@@ -150,8 +154,7 @@ def pooled_common(records: list[dict]) -> list[dict]:
     cache's row is listed first at each budget (with that budget)."""
     by_key: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
     for record in records:
-        sample = (record["task"], int(record["length"]), record.get("sample_hash") or record["index"])
-        by_key[(record["controller"], float(record["budget"]))][sample] = record
+        by_key[(record["controller"], float(record["budget"]))][_sample_key(record)] = record
     full = next((got for (name, _), got in by_key.items() if name == FULL), None)
     rows = []
     for budget in sorted({b for name, b in by_key if name != FULL}):

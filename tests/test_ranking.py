@@ -173,7 +173,7 @@ def test_keep_top_prefetches_offloaded_blocks_that_rise(tiny_model):
 def test_keep_top_stay_margin_keeps_residents_against_a_near_tie_only(tiny_model):
     """With ``stay`` the resident blocks rank ``stay`` score std devs higher: an offloaded block that beats the
     weakest resident by less than that stays on the host (no operation at all), one that beats it by more still
-    comes back, and the budget holds either way. Negative control: without the margin the near tie swaps."""
+    comes back (one eviction for the prefetch). Negative control: without the margin the near tie swaps."""
     from cache.controller import apply_decisions
 
     cache, view = view_after_prefill(tiny_model)
