@@ -27,12 +27,15 @@ def page_bounds(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tenso
     page's post-RoPE keys) → ``[L, N, heads]``. Query head ``h`` reads KV head ``h // (heads // kv_heads)``
     (``repeat_kv``). Since ``q_c·k_c ≤ max(q_c·M_c, q_c·m_c)`` for every key in the page, ``U ≥ q·k`` for each.
     Known for offloaded blocks too (their key summaries stay), so it ranks what a prefetch could bring back.
+    Computed as two batched products: ``max(q_c·M_c, q_c·m_c) = max(q_c, 0)·M_c + min(q_c, 0)·m_c`` (as ``M ≥ m``).
     """
     num_layers, heads, dim = query.shape
     kv_heads = key_max.shape[2]
-    q = query.view(num_layers, 1, kv_heads, heads // kv_heads, dim)  # [L, 1, kv, group, dim]
-    bound = torch.maximum(q * key_max[:, :, :, None], q * key_min[:, :, :, None]).sum(dim=-1)  # [L, N, kv, group]
-    return bound.flatten(2)
+    q = query.reshape(num_layers, kv_heads, heads // kv_heads, dim).transpose(-1, -2)  # [L, kv, dim, group]
+    bound = torch.matmul(key_max.transpose(1, 2), q.clamp(min=0))  # [L, kv, N, group]
+    bound += torch.matmul(key_min.transpose(1, 2), q.clamp(max=0))
+    empty = key_max[..., 0] < key_min[..., 0]  # a page without keys (min +inf, max -inf) is unbounded, as max() says
+    return bound.transpose(1, 2).masked_fill(empty[..., None], float("inf")).flatten(2)  # [L, N, heads]
 
 
 def unit_cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

@@ -313,6 +313,22 @@ def test_training_learns_the_ranking_from_the_signal_feature(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ file and controller
+def test_numpy_scorer_computes_the_torch_networks_function():
+    """The controller decides with ``NumpyScorer`` (normalisation folded into the first layer, both heads in one
+    matrix): it must give the module's own outputs; negative control: another network's scorer does not."""
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(3, 40, len(RANK_FEATURES), generator=generator) * 5 + 2
+    model, other = BlockScorer(hidden=16), BlockScorer(hidden=16)
+    model.set_normalisation(features)
+    other.set_normalisation(features)
+    with torch.no_grad():
+        keep, merge = model(features)
+    fast_keep, fast_merge = model.inference()(features.numpy())
+    assert fast_keep.shape == (3, 40) and fast_merge.shape == (3, 40)
+    assert np.allclose(fast_keep, keep.numpy(), atol=1e-5) and np.allclose(fast_merge, merge.numpy(), atol=1e-5)
+    assert not np.allclose(other.inference()(features.numpy())[0], keep.numpy(), atol=1e-3)
+
+
 def test_ranker_file_round_trips_and_refuses_damage(tmp_path):
     model = BlockScorer(hidden=8)
     path = save_ranker(model, tmp_path / "r.pt", {"note": "test"})
@@ -355,7 +371,8 @@ def test_bench_ranker_times_every_part_of_a_decision(tiny_model, tmp_path):
 
     report = bench_decision(tiny_model, "policies/ranker_smollm2.pt", context=256, repeats=2)
     assert report["layers"] == 2 and report["blocks_per_layer"] == 256 // 16
-    for part in ("view_ms", "block_features_ms", "scorer_forward_ms", "keep_top_ms", "decide_ms"):
+    for part in ("view_ms", "view_summaries_ms", "block_features_ms", "scorer_forward_ms", "keep_top_ms", "decide_ms",
+                 "decision_ms"):
         assert report[part]["median_ms"] > 0
     with pytest.raises(ValueError, match="no decision points"):
         bench_replay(tmp_path)

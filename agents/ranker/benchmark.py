@@ -1,9 +1,12 @@
 """``kvgym bench ranker``: what a ranking decision costs on a real cache, and how fast the replay env steps.
 
 - **Decision** (target ≤ 1 ms): a ``context``-token prompt prefilled densely into a ``PagedKVCache`` of the given
-  model, then, on that cache, the parts of one ``RankerController.decide``: building the ``CacheView``,
-  ``block_features`` (every block of every layer), the scorer's forward, ``keep_top``; and the whole
-  ``decide`` on a ready view. Medians over ``repeats``.
+  model, then, on that cache, the parts of one ``RankerController.decide``: building the ``CacheView``, the
+  view's key summaries and Quest bounds (computed once per view, on first use), ``block_features`` on a view
+  that has them, the scorer's forward, ``keep_top``; ``decide_ms``, the whole ``decide`` on a view that has
+  them; and ``decision_ms``, what a decision point really costs: a fresh view and ``decide`` on it. Medians
+  over ``repeats``. The first decision on a dense prefill at budget 0.25 moves 75% of the blocks (the most
+  ``keep_top`` ever writes); later ones move few.
 - **Replay env** (target ≥ 2,000 steps/s): ``RankingReplayEnv`` over every recorded decision of a
   ``kvgym ranker collect`` folder (all held in memory), random keep scores, reset + step per episode.
 """
@@ -34,16 +37,23 @@ def bench_decision(model, policy: str | Path, context: int = 2048, budget: float
     try:
         blocks = budget_blocks(budget, context, cache.block_size, cache.num_layers, cache.config.sink_blocks + 1)
         view = CacheView.from_cache(cache, blocks, phase="compress")
-        features = torch.from_numpy(block_features(view))
+        features = block_features(view)
         keep, merge = controller.scores(view)
+
+        def view_summaries():
+            fresh = CacheView.from_cache(cache, blocks, phase="compress")
+            return fresh.mean_key, fresh.page_bound, fresh.query_similarity
         return {
             "context": context, "budget": budget, "layers": cache.num_layers, "blocks_per_layer": view.num_blocks,
             "torch_threads": torch.get_num_threads(),
             "view_ms": _times_ms(lambda: CacheView.from_cache(cache, blocks, phase="compress"), repeats),
+            "view_summaries_ms": _times_ms(view_summaries, repeats),
             "block_features_ms": _times_ms(lambda: block_features(view), repeats),
             "scorer_forward_ms": _times_ms(lambda: controller._model(features), repeats),
             "keep_top_ms": _times_ms(lambda: keep_top(view, keep, merge), repeats),
             "decide_ms": _times_ms(lambda: controller.decide(view), repeats),
+            "decision_ms": _times_ms(lambda: controller.decide(CacheView.from_cache(cache, blocks, phase="compress")),
+                                     repeats),
             "target_ms": 1.0,
         }
     finally:

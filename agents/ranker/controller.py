@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from agents.ranker.model import load_ranker
 from cache.controller import CacheView, Decision
@@ -22,12 +22,12 @@ class RankerController:
     _model: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        self._model, self.summary = load_ranker(self.path)
+        model, self.summary = load_ranker(self.path)
+        self._model = model.inference()
 
-    @torch.no_grad()
-    def scores(self, view: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(self, view: CacheView) -> tuple[np.ndarray, np.ndarray]:
         """``[L, N]`` keep scores and merge logits of every block."""
-        return self._model(torch.from_numpy(block_features(view)))
+        return self._model(block_features(view))
 
     def decide(self, view: CacheView) -> list[Decision]:
         keep, merge = self.scores(view)

@@ -20,6 +20,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -55,6 +56,33 @@ class BlockScorer(nn.Module):
         """``[..., F]`` → keep scores and merge logits, each ``[...]``."""
         hidden = self.body((features.float() - self.feature_mean) / self.feature_std)
         return self.score(hidden).squeeze(-1), self.merge(hidden).squeeze(-1)
+
+    def inference(self) -> NumpyScorer:
+        """This network's current weights as a ``NumpyScorer`` (the same function, for deciding in the cache)."""
+        return NumpyScorer(self)
+
+
+class NumpyScorer:
+    """A ``BlockScorer``'s forward in numpy float32, for the controller's decisions: the input standardisation
+    is folded into the first layer and both heads are one matrix. Same function as the torch module (to float
+    rounding), several times faster on a CPU thread (torch's CPU ``tanh`` alone costs ~0.7 ms on a 2k cache's
+    3,840 × 64 activations, numpy's ~0.1 ms). A snapshot: later training of the module does not reach it."""
+
+    def __init__(self, model: BlockScorer):
+        first, second = model.body[0], model.body[2]
+        weight = first.weight.detach().double() / model.feature_std.double()[None]
+        self.w1 = weight.T.float().numpy().copy()
+        self.b1 = (first.bias.detach().double() - weight @ model.feature_mean.double()).float().numpy()
+        self.w2, self.b2 = second.weight.detach().T.numpy().copy(), second.bias.detach().numpy().copy()
+        self.heads = torch.cat([model.score.weight, model.merge.weight]).detach().T.numpy().copy()  # [hidden, 2]
+        self.heads_bias = torch.cat([model.score.bias, model.merge.bias]).detach().numpy().copy()
+
+    def __call__(self, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``[..., F]`` → keep scores and merge logits, each ``[...]`` (float32)."""
+        hidden = np.tanh(np.asarray(features, np.float32) @ self.w1 + self.b1)
+        hidden = np.tanh(hidden @ self.w2 + self.b2)
+        out = hidden @ self.heads + self.heads_bias
+        return out[..., 0], out[..., 1]
 
 
 def _weights_bytes(state: dict[str, torch.Tensor]) -> bytes:

@@ -19,6 +19,8 @@ The regret reward of a ranking lives with the other reward terms (``kvgym.envs.r
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 import torch
 
@@ -42,14 +44,15 @@ PRESSURE_COLUMN = RANK_FEATURES.index("layer_pressure")
 
 
 def within_layer_rank(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """``[L, N]`` → each valid entry's rank among its layer's valid entries, scaled to 0 (lowest) .. 1 (highest);
-    invalid entries get 0. Ties share the lower rank's order (stable)."""
+    """``[..., L, N]`` → each valid entry's rank among its layer's valid entries (``valid``: ``[L, N]``), scaled to
+    0 (lowest) .. 1 (highest); invalid entries get 0. Ties share the lower rank's order (stable). Several value
+    arrays stacked on leading axes are ranked in one sort."""
     keyed = np.where(valid, values, -np.inf)
-    order = np.argsort(keyed, axis=1, kind="stable")
+    order = np.argsort(keyed, axis=-1, kind="stable")
     ranks = np.empty(keyed.shape, np.float32)
-    np.put_along_axis(ranks, order, np.arange(keyed.shape[1], dtype=np.float32)[None], axis=1)
-    invalid = (~valid).sum(axis=1, keepdims=True)
-    count = np.maximum(valid.sum(axis=1, keepdims=True) - 1, 1)
+    np.put_along_axis(ranks, order, np.broadcast_to(np.arange(keyed.shape[-1], dtype=np.float32), keyed.shape), axis=-1)
+    invalid = (~valid).sum(axis=-1, keepdims=True)
+    count = np.maximum(valid.sum(axis=-1, keepdims=True) - 1, 1)
     return np.where(valid, (ranks - invalid) / count, 0.0).astype(np.float32)
 
 
@@ -94,10 +97,11 @@ def block_features(view: CacheView) -> np.ndarray:
     features[..., next(column)] = (np.log1p(n - 1 - blocks) / np.log1p(max(n, 1)))[None]
     features[..., next(column)] = (blocks < view.cache.config.sink_blocks)[None]
     features[..., next(column)] = (blocks == n - 1)[None]
+    ranked = []  # (column, [L, N] values): ranked together in one sort at the end
     for kind, over in MASS_KINDS:
         mass = _mass(view, kind, over)
         features[..., next(column)] = log_share(mass, valid)
-        features[..., next(column)] = within_layer_rank(mass, valid)
+        ranked.append((next(column), mass))
     bound = view.page_bound  # [L, N, heads]: Quest's bound, offloaded blocks included
     for over in ("mean", "max"):
         if bound is None:
@@ -105,20 +109,20 @@ def block_features(view: CacheView) -> np.ndarray:
             continue
         logit = (bound.mean(dim=-1) if over == "mean" else bound.amax(dim=-1)).numpy() / np.sqrt(view.last_query.shape[-1])
         features[..., next(column)] = softmax_log_share(logit, valid)
-        features[..., next(column)] = within_layer_rank(logit, valid)
+        ranked.append((next(column), logit))
     mean_key = view.mean_key
     if mean_key is not None:
         keys = mean_key.float()
         norm = -keys.norm(dim=-1).mean(dim=-1)  # Knorm: a low key norm draws attention
         layer_mean = (keys * torch.from_numpy(valid)[..., None, None]).sum(dim=1, keepdim=True)
         distinct = -unit_cosine(keys, layer_mean).mean(dim=-1)  # KeyDiff
-        features[..., next(column)] = within_layer_rank(norm.numpy(), valid)
-        features[..., next(column)] = within_layer_rank(distinct.numpy(), valid)
+        ranked.append((next(column), norm.numpy()))
+        ranked.append((next(column), distinct.numpy()))
     else:
         next(column), next(column)
     similarity = view.query_similarity.numpy()
     features[..., next(column)] = similarity
-    features[..., next(column)] = within_layer_rank(similarity, valid)
+    ranked.append((next(column), similarity))
     for tier_value in (Tier.DEVICE, Tier.HOST, Tier.DISK):
         features[..., next(column)] = tier == tier_value
     features[..., next(column)] = view.sentence_boundary.numpy()[None]
@@ -127,6 +131,8 @@ def block_features(view: CacheView) -> np.ndarray:
     features[..., next(column)] = view.pressure.numpy()[:, None]
     features[..., next(column)] = (view.budget_blocks.numpy() / max(n, 1))[:, None]
     assert next(column, None) is None, "every feature column is filled"
+    columns, values = zip(*ranked, strict=True)
+    features[..., list(columns)] = np.moveaxis(within_layer_rank(np.stack(values), valid), 0, -1)
     return features
 
 
@@ -168,13 +174,13 @@ def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Dec
     if merge is not None:
         merging = leaving & (np.asarray(merge, np.float32) > 0) & view.legal_ops[..., Op.MERGE].numpy()
     free = view.device_free.numpy()
+    leaving_ops = (Op.EVICT, Op.MERGE)
     decisions = []
     for layer in np.flatnonzero(leaving.any(axis=1) | arriving.any(axis=1)).tolist():
         arriving_blocks = np.flatnonzero(arriving[layer]).tolist()
+        leaving_blocks = np.flatnonzero(leaving[layer])
         into_free = int(free[layer])
-        decisions += [Decision(layer, block, Op.PREFETCH) for block in arriving_blocks[:into_free]]
-        decisions += [Decision(layer, block, Op.MERGE if merged else Op.EVICT)
-                      for block, merged in zip(np.flatnonzero(leaving[layer]).tolist(),
-                                               merging[layer, leaving[layer]].tolist(), strict=True)]
-        decisions += [Decision(layer, block, Op.PREFETCH) for block in arriving_blocks[into_free:]]
+        decisions += map(Decision, repeat(layer), arriving_blocks[:into_free], repeat(Op.PREFETCH))
+        decisions += map(Decision, repeat(layer), leaving_blocks.tolist(), map(leaving_ops.__getitem__, merging[layer, leaving_blocks].tolist()))
+        decisions += map(Decision, repeat(layer), arriving_blocks[into_free:], repeat(Op.PREFETCH))
     return decisions
