@@ -172,7 +172,9 @@ def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Dec
     arriving = chosen & ~on_device
     merging = np.zeros_like(leaving)
     if merge is not None:
-        merging = leaving & (np.asarray(merge, np.float32) > 0) & view.legal_ops[..., Op.MERGE].numpy()
+        merging = leaving & (np.asarray(merge, np.float32) > 0)
+        if merging.any():  # legality only where the policy asks to merge
+            merging &= view.legal_ops[..., Op.MERGE].numpy()
     free = view.device_free.numpy()
     leaving_ops = (Op.EVICT, Op.MERGE)
     decisions = []
