@@ -146,6 +146,10 @@ def test_quest_bound_is_an_upper_bound_of_every_qk_in_the_page():
         sign = torch.where(query > 0, 1.0, -1.0)
         reference = torch.einsum("lHd,lpHd->lpH", query * sign, (expanded * sign[:, None, None]).amax(dim=2))
         assert torch.allclose(bound, reference, atol=1e-4)
+    key_min, key_max = keys.amin(dim=2), keys.amax(dim=2)
+    key_min[0, 3], key_max[0, 3] = float("inf"), float("-inf")  # a page without keys: unbounded, not NaN
+    bound = page_bounds(query, key_min, key_max)
+    assert torch.isinf(bound[0, 3]).all() and (bound[0, 3] > 0).all() and torch.isfinite(bound[0, :3]).all()
     one = torch.randn(1, 5, 1, 2, 4, generator=generator)  # one-token pages: the bound is exact
     query = torch.randn(1, 2, 4, generator=generator)
     assert torch.allclose(page_bounds(query, one.amin(dim=2), one.amax(dim=2)),

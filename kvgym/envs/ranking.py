@@ -183,6 +183,7 @@ def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Dec
         leaving_blocks = np.flatnonzero(leaving[layer])
         into_free = int(free[layer])
         decisions += map(Decision, repeat(layer), arriving_blocks[:into_free], repeat(Op.PREFETCH))
-        decisions += map(Decision, repeat(layer), leaving_blocks.tolist(), map(leaving_ops.__getitem__, merging[layer, leaving_blocks].tolist()))
+        ops = map(leaving_ops.__getitem__, merging[layer, leaving_blocks].tolist())  # False: evict, True: merge
+        decisions += map(Decision, repeat(layer), leaving_blocks.tolist(), ops)
         decisions += map(Decision, repeat(layer), arriving_blocks[into_free:], repeat(Op.PREFETCH))
     return decisions
