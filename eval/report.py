@@ -285,9 +285,9 @@ def plot_accuracy_vs_budget(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("top-1 next-token accuracy" if task_rows[0]["metric"] == "kl" else "accuracy")
         ax.set_ylim(-0.05, 1.05)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+    _legend(list(axes)[: len(tasks)], len(controllers) + 1)
     figure.tight_layout()
-    figure.savefig(path)
+    figure.savefig(path, bbox_inches="tight")
 
 
 def plot_bytes_vs_context(rows: list[dict], path: Path) -> None:
@@ -316,13 +316,24 @@ def plot_bytes_vs_context(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("attention bytes read per token (MiB, all layers)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
+    _legend(list(axes)[: len(budgets)], len(controllers) + 1)
     figure.tight_layout()
-    figure.savefig(path)
+    figure.savefig(path, bbox_inches="tight")
 
 
 def _marker(name: str, names: list[str]) -> str:
-    return "o^vD<>ph*X"[names.index(name) % 10]  # overlapping lines stay distinguishable
+    # 13 markers against 10 colours (coprime): no two of the first 130 controllers share colour and marker
+    return "o^vD<>ph*XsPd"[names.index(name) % 13]  # overlapping lines stay distinguishable
+
+
+def _legend(axes, count: int, many: int = 8) -> None:
+    """A legend in each panel for a few lines; for ``many`` or more, one legend beside the last panel (a legend
+    inside would cover the data)."""
+    if count < many:
+        for ax in axes:
+            ax.legend(fontsize=7, loc="best")
+        return
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
 
 def _colors(names: list[str]) -> dict[str, str]:
