@@ -549,16 +549,15 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
     wanted: list[tuple] = []
     bar = tqdm(total=len(work) * len(runs), desc="kvgym eval", unit="run", **({} if progress else {"disable": True}))
     try:
-        with open(samples_path, "a", encoding="utf-8") as sink:
-            for item in work:
-                sample, sample_seed_value = _make_sample(context, item, generators, seed)
-                keys = [(spec, budget, item.task, item.length, item.index, seed, sample_hash(sample))
-                        for spec, budget in runs]
-                wanted += keys
-                missing = [key for key in keys if key not in done]
-                bar.update(len(keys) - len(missing))
-                if missing:
-                    _run_sample(context, item, sample, sample_seed_value, keys, done, sink, bar, digests)
+        for item in work:
+            sample, sample_seed_value = _make_sample(context, item, generators, seed)
+            keys = [(spec, budget, item.task, item.length, item.index, seed, sample_hash(sample))
+                    for spec, budget in runs]
+            wanted += keys
+            missing = [key for key in keys if key not in done]
+            bar.update(len(keys) - len(missing))
+            if missing:
+                _run_sample(context, item, sample, sample_seed_value, keys, done, samples_path, bar, digests)
     finally:
         bar.close()
 
@@ -585,8 +584,8 @@ def _make_sample(context: _Context, item: _Work, generators: dict, seed: int):
     return generators[item.task](context.tokenizer, item.length, sample_seed_value, item.index), sample_seed_value
 
 
-def _run_sample(context: _Context, item: _Work, sample, sample_seed_value, keys: list[tuple], done: dict, sink,
-                bar, digests: dict) -> None:
+def _run_sample(context: _Context, item: _Work, sample, sample_seed_value, keys: list[tuple], done: dict,
+                samples_path: Path, bar, digests: dict) -> None:
     from agents.registry import make_controller, parse_spec
     from eval.tasks.prompt import build_prompt
 
@@ -629,8 +628,10 @@ def _run_sample(context: _Context, item: _Work, sample, sample_seed_value, keys:
                          context.protocol)
         if digests.get(spec) is not None:
             record["controller_digest"] = digests[spec]
-        sink.write(json.dumps(record) + "\n")
-        sink.flush()
+        # opened per record (not once per run): a file replaced while a long run writes (a `git stash` or
+        # checkout of the results folder) still receives every later record, instead of an unlinked copy
+        with open(samples_path, "a", encoding="utf-8") as sink:
+            sink.write(json.dumps(record) + "\n")
         done[key] = record
         bar.update(1)
     context.shared = None

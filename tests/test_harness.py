@@ -3,6 +3,7 @@
 import csv
 import importlib.util
 import json
+import os
 import random
 from types import SimpleNamespace
 
@@ -176,6 +177,24 @@ def test_interrupted_last_line_is_dropped_and_rerun(tiny_model, tmp_path, scored
     path.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match="line 2"):
         _evaluate(tiny_model, tmp_path, tasks=["fake_key"], lengths=[64], n=1, controllers=["lru"], plots=False)
+
+
+def test_records_reach_a_samples_file_replaced_during_the_run(tiny_model, tmp_path, scored, monkeypatch):
+    """A results file replaced mid-run (a `git stash` / checkout does this: new inode, same name) still gets every
+    later record; the harness once kept writing into the unlinked file and the records were lost."""
+    path, record, calls = tmp_path / "samples.jsonl", harness._record, []
+
+    def record_then_replace(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 and path.exists():  # after the first record: the file is swapped for a copy
+            copy = tmp_path / "copy.jsonl"
+            copy.write_text(path.read_text())
+            os.replace(copy, path)
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "_record", record_then_replace)
+    _evaluate(tiny_model, tmp_path, tasks=["fake_key"], lengths=[64], n=1, controllers=["lru"], plots=False)
+    assert len(calls) == 3 and len(_lines(path)) == 3  # full + lru at two budgets, all in the file on disk
 
 
 def test_seeds_are_stable_and_distinct():
