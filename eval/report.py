@@ -285,7 +285,7 @@ def plot_accuracy_vs_budget(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("top-1 next-token accuracy" if task_rows[0]["metric"] == "kl" else "accuracy")
         ax.set_ylim(-0.05, 1.05)
         ax.grid(True, alpha=0.3)
-    _legend(list(axes)[: len(tasks)], len(controllers) + 1)
+    _legend(axes[: len(tasks)], len(controllers) + 1)
     figure.tight_layout()
     figure.savefig(path, bbox_inches="tight")
 
@@ -316,7 +316,7 @@ def plot_bytes_vs_context(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("attention bytes read per token (MiB, all layers)")
         ax.grid(True, alpha=0.3)
-    _legend(list(axes)[: len(budgets)], len(controllers) + 1)
+    _legend(axes[: len(budgets)], len(controllers) + 1)
     figure.tight_layout()
     figure.savefig(path, bbox_inches="tight")
 
