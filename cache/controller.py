@@ -79,6 +79,9 @@ class CacheView:
     - ``phase``: where the runner stands (``PHASES``): ``prefill`` (after a chunk of streamed prompt),
       ``compress`` (the one decision of a one-shot protocol, after the dense prefill), ``question`` (the
       question has been read; the first answer token is computed after this decision), ``decode``;
+    - ``question_read``: the cache has read past the context (the question, or the answer): False in a
+      streamed context's ``prefill`` decisions and in ``oneshot``'s ``compress`` (kvpress's pipeline compresses
+      before the question), True in ``oneshot-question``'s; default: False in ``prefill``, else True;
     - ``model`` and ``token_ids`` (``[seen]``: every token fed so far), set by the runner, for controllers
       that run extra forward passes (KVzip's reconstruction); None outside a runner.
 
@@ -117,12 +120,13 @@ class CacheView:
     forward_queries: int
     sentence_length: int
     phase: str = "prefill"
+    question_read: bool = False
     model: object = None
     token_ids: torch.Tensor | None = None
 
     @classmethod
     def from_cache(cls, cache: PagedKVCache, budget_blocks: list[int], phase: str = "prefill", model=None,
-                   token_ids: torch.Tensor | None = None) -> CacheView:
+                   token_ids: torch.Tensor | None = None, question_read: bool | None = None) -> CacheView:
         n = cache.num_logical_blocks()
         tables, stats, bs = cache.tables, cache.stats, cache.block_size
         pinned = torch.zeros(cache.num_layers, n, dtype=torch.bool)
@@ -152,7 +156,8 @@ class CacheView:
             forward_tokens=cache.last_forward_tokens,
             forward_queries=cache.last_forward_queries,
             sentence_length=cache.sentence_query_count,
-            phase=phase, model=model, token_ids=token_ids,
+            phase=phase, question_read=phase != "prefill" if question_read is None else bool(question_read),
+            model=model, token_ids=token_ids,
         )
 
     @property

@@ -188,6 +188,7 @@ class _State:
     cache: PagedKVCache
     budget: list[int] | None  # enforced at decision points (None: no decisions)
     token_ids: list[int]
+    context_end: int  # the prompt's context length: a decision past it has read the question
     fallbacks: int = 0
     decisions: int = 0
     ops: dict = field(default_factory=dict)
@@ -336,7 +337,7 @@ class Runner:
             cache = self._new_cache(total, **({"track_query_max": True} if track_query_max else {}))
             for a, b in self._chunks(0, dense_end, from_end=True):
                 self._feed(cache, None, prompt.ids[a:b])
-        state = _State(cache, budget, list(prompt.ids[:dense_end]))
+        state = _State(cache, budget, list(prompt.ids[:dense_end]), prompt.context_end)
         if one_shot:
             self._decision_point(state, "compress")
             if self.decode_budget == "grow":
@@ -415,7 +416,8 @@ class Runner:
         cache = state.cache
         state.decisions += 1
         view = CacheView.from_cache(cache, state.budget, phase=phase, model=self.model,
-                                    token_ids=torch.tensor(state.token_ids, dtype=torch.long))
+                                    token_ids=torch.tensor(state.token_ids, dtype=torch.long),
+                                    question_read=len(state.token_ids) > state.context_end)
         for name, count in apply_decisions(cache, self.controller.decide(view)).items():
             state.ops[name] = state.ops.get(name, 0) + count
         state.fallbacks += cache.enforce_budget(state.budget, self.fallback_rule)

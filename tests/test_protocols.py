@@ -19,13 +19,15 @@ def ids_of(n, seed=0):
 
 
 class Recorder:
-    """Records (phase, seen, device blocks per layer) at every decision; ``act(view)`` returns decisions."""
+    """Records (phase, seen, device blocks per layer, budget per layer, question read) at every decision;
+    ``act(view)`` returns decisions."""
 
     def __init__(self, act=None):
         self.calls, self.act = [], act
 
     def decide(self, view):
-        self.calls.append((view.phase, view.seen, view.device_blocks().tolist(), view.budget_blocks.tolist()))
+        self.calls.append((view.phase, view.seen, view.device_blocks().tolist(), view.budget_blocks.tolist(),
+                           view.question_read))
         return self.act(view) if self.act else []
 
 
@@ -68,6 +70,9 @@ def test_streaming_decides_after_the_question_and_before_the_first_answer_token(
     # context chunks never straddle the question; the chunk that ends the question is its decision point
     assert phases[:5] == [("prefill", 16), ("prefill", 32), ("prefill", 40), ("prefill", 56), ("question", 59)]
     assert all(phase == "decode" for phase, _ in phases[5:])
+    # the view says whether the question has been read: not in the context's chunks, from its first chunk on
+    assert [call[4] for call in recorder.calls[:5]] == [False, False, False, True, True]
+    assert all(call[4] for call in recorder.calls[5:])
     # the first answer token comes from the cache as decided: the question's evictions are in its logits
     decided = manual_logits(tiny_model, ids, [(0, 16), (16, 32), (32, 40), (40, 56), (56, 59)], evict_before_last=True)
     assert torch.allclose(result.logits[0], decided, atol=1e-5)
@@ -97,6 +102,7 @@ def test_oneshot_one_decision_then_the_cache_grows(tiny_model, protocol):
     result = runner.run(prompt, max_new_tokens=24, stop_at_eos=False)
     dense_end = 70 if protocol == "oneshot" else 89
     assert [(phase, seen) for phase, seen, *_ in recorder.calls] == [("compress", dense_end)]
+    assert recorder.calls[0][4] == (protocol == "oneshot-question")  # kvpress's pipeline compresses question-blind
     budget = math.ceil(0.25 * 70 / BLOCK)
     assert recorder.calls[0][3] == [budget, budget]
     assert result.fallbacks > 0  # the recorder decides nothing: the fallback meets the budget at the decision
@@ -150,7 +156,7 @@ def test_multiturn_answers_each_turn_before_the_next_under_one_budget(tiny_model
     assert questions == [69, 69 + 1 + 5 + 5, 69 + 1 + 5 + 5 + 1 + 5 + 8]
     budget = math.ceil(0.25 * 60 / BLOCK)
     # between two decisions the cache gains at most one chunk (+ a partly filled block); each decision restores it
-    assert all(max(blocks) <= budget + 16 // BLOCK + 1 for _, _, blocks, _ in recorder.calls)
+    assert all(max(blocks) <= budget + 16 // BLOCK + 1 for _, _, blocks, *_ in recorder.calls)
     assert max(result.blocks_per_tier["device"]) <= budget
     with pytest.raises(ValueError, match="--protocol multiturn"):
         Runner(tiny_model, cache_config=config(), budget=0.25).run(prompt, max_new_tokens=2)

@@ -366,6 +366,25 @@ def test_ranker_controller_decides_everything_itself(tiny_model, tmp_path, proto
     assert all(device <= 5 for device in result.blocks_per_tier["device"])
 
 
+def test_ranker_shows_a_question_blind_compression_as_its_blind_phase(tiny_model, tmp_path):
+    path = save_ranker(BlockScorer(hidden=8), tmp_path / "r.pt")
+    cache, _ = view_after_prefill(tiny_model)
+    blind = CacheView.from_cache(cache, [5, 5], phase="compress", question_read=False)
+    read = CacheView.from_cache(cache, [5, 5], phase="compress", question_read=True)
+    as_prefill = RankerController(str(path), blind_phase="prefill")
+    features = block_features(blind)
+    phase = [RANK_FEATURES.index(f"phase_{name}") for name in ("prefill", "compress")]
+    assert (features[..., phase] == [0, 1]).all()
+    features[..., phase] = [1, 0]
+    assert np.array_equal(as_prefill.scores(blind)[0], as_prefill._model(features)[0])
+    # the question read, or the default setting: the features as recorded (negative control: they differ)
+    assert np.array_equal(as_prefill.scores(read)[0], as_prefill._model(block_features(read))[0])
+    assert np.array_equal(RankerController(str(path)).scores(blind)[0], as_prefill._model(block_features(blind))[0])
+    assert not np.array_equal(as_prefill.scores(blind)[0], as_prefill.scores(read)[0])
+    with pytest.raises(ValueError, match="blind_phase"):
+        RankerController(str(path), blind_phase="context")
+
+
 def test_bench_ranker_times_every_part_of_a_decision(tiny_model, tmp_path):
     from agents.ranker.benchmark import bench_decision, bench_replay
 

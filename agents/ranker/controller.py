@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agents.ranker.model import load_ranker
-from cache.controller import CacheView, Decision
-from kvgym.envs.ranking import block_features, keep_top
+from cache.controller import PHASES, CacheView, Decision
+from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top
+
+PHASE_COLUMNS = [RANK_FEATURES.index(f"phase_{phase}") for phase in PHASES]
 
 
 @dataclass
@@ -19,15 +21,21 @@ class RankerController:
     path: str = "policies/ranker_smollm2.pt"
     merge: bool = True  # false: never merge (evict whatever falls out)
     stay: float = 0.0  # hysteresis: resident blocks rank this many score std devs higher (keep_top's ``stay``)
+    blind_phase: str = "compress"  # the phase a compression made before the question is read is shown as
     _model: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
+        if self.blind_phase not in PHASES:
+            raise ValueError(f"blind_phase: expected one of {', '.join(PHASES)}, got {self.blind_phase!r}")
         model, self.summary = load_ranker(self.path)
         self._model = model.inference()
 
     def scores(self, view: CacheView) -> tuple[np.ndarray, np.ndarray]:
         """``[L, N]`` keep scores and merge logits of every block."""
-        return self._model(block_features(view))
+        features = block_features(view)
+        if view.phase == "compress" and not view.question_read:
+            features[..., PHASE_COLUMNS] = [phase == self.blind_phase for phase in PHASES]
+        return self._model(features)
 
     def decide(self, view: CacheView) -> list[Decision]:
         keep, merge = self.scores(view)
