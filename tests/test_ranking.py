@@ -377,9 +377,11 @@ def test_ranker_shows_a_question_blind_compression_as_its_blind_phase(tiny_model
     assert (features[..., phase] == [0, 1]).all()
     features[..., phase] = [1, 0]
     assert np.array_equal(as_prefill.scores(blind)[0], as_prefill._model(features)[0])
-    # the question read, or the default setting: the features as recorded (negative control: they differ)
+    # the question read, or blind_phase=compress: the features as recorded (negative control: they differ)
     assert np.array_equal(as_prefill.scores(read)[0], as_prefill._model(block_features(read))[0])
-    assert np.array_equal(RankerController(str(path)).scores(blind)[0], as_prefill._model(block_features(blind))[0])
+    as_recorded = RankerController(str(path), blind_phase="compress")
+    assert np.array_equal(as_recorded.scores(blind)[0], as_prefill._model(block_features(blind))[0])
+    assert RankerController(str(path)).blind_phase == "prefill"
     assert not np.array_equal(as_prefill.scores(blind)[0], as_prefill.scores(read)[0])
     with pytest.raises(ValueError, match="blind_phase"):
         RankerController(str(path), blind_phase="context")

@@ -1,6 +1,9 @@
 """A trained ranking policy as a cache ``Controller``: at every decision point it scores every block of every
 layer (``kvgym.envs.ranking.block_features``) and keeps each layer's top-b on device (``keep_top``): it evicts,
-merges, prefetches and keeps by itself, with no budget fallback left to act."""
+merges, prefetches and keeps by itself, with no budget fallback left to act.
+
+Parameters (``ranker:PATH,stay=2,blind_phase=prefill``): ``merge``, ``stay`` (hysteresis) and ``blind_phase``
+(how a question-blind one-shot compression is presented, see ``CacheView.question_read``)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,10 @@ class RankerController:
     path: str = "policies/ranker_smollm2.pt"
     merge: bool = True  # false: never merge (evict whatever falls out)
     stay: float = 0.0  # hysteresis: resident blocks rank this many score std devs higher (keep_top's ``stay``)
-    blind_phase: str = "compress"  # the phase a compression made before the question is read is shown as
+    # the phase a compression made before the question is read (``oneshot``) is shown to the policy as: its
+    # training saw question-blind decisions only mid-prefill (streaming), and "compress" only with the question
+    # read (``oneshot-question``); "compress" gives the features as recorded
+    blind_phase: str = "prefill"
     _model: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
