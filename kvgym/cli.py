@@ -283,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_collect.add_argument("--streaming-budgets", type=parse_fraction_list, default=[0.25],
                                 help="budgets of the streaming runs (fractions of the context)")
     ranker_collect.add_argument("--host-blocks", type=int, default=512, help="host tier of the streaming runs")
+    ranker_collect.add_argument("--blind", action="store_true",
+                                help="also each sample's question-blind decision point (oneshot: the context alone "
+                                     "prefilled, as in kvpress's pipeline)")
     ranker_train = ranker_kinds.add_parser("train", help="warm start on the oracle, then policy gradient on the regret")
     ranker_train.add_argument("--train", type=Path, required=True, help="a folder from `kvgym ranker collect`")
     ranker_train.add_argument("--validation", type=Path, required=True,
@@ -609,7 +612,7 @@ def cmd_ranker(args) -> int:
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     paths = collect(loaded.model, loaded.tokenizer, tasks, args.lengths, args.n, args.seed, args.out,
                     chat=not args.no_chat, block_size=args.block_size, drivers=drivers,
-                    streaming_budgets=tuple(args.streaming_budgets), host_blocks=args.host_blocks)
+                    streaming_budgets=tuple(args.streaming_budgets), host_blocks=args.host_blocks, blind=args.blind)
     print(f"{len(paths)} decision points in {args.out}")
     return 0
 

@@ -223,11 +223,15 @@ def test_keep_top_leaves_exactly_the_pinned_and_top_scored_blocks_on_device(tiny
 
 
 # ------------------------------------------------------------------------------------------ decision points
-def test_future_attention_of_a_decision_point_matches_eager_attention(tiny_model):
-    """Independent reference: transformers' eager attention over the whole sequence (no paged cache)."""
+@pytest.mark.parametrize("protocol", ["oneshot-question", "oneshot"])
+def test_future_attention_of_a_decision_point_matches_eager_attention(tiny_model, protocol):
+    """Independent reference: transformers' eager attention over the whole sequence (no paged cache). In
+    ``oneshot`` the decision comes after the context (150 tokens) alone: the question's queries are future too."""
     from cache.models import tiny_random_llama
 
-    record = decision_point(tiny_model, Prompt(PROMPT), max_new_tokens=6, block_size=16)
+    context_end = 150
+    record = decision_point(tiny_model, Prompt(PROMPT[0].tolist(), context_end=context_end), max_new_tokens=6,
+                            block_size=16, protocol=protocol)
     answer = record["answer"].tolist()
     reference = tiny_random_llama()
     reference.set_attn_implementation("eager")
@@ -235,13 +239,23 @@ def test_future_attention_of_a_decision_point_matches_eager_attention(tiny_model
     with torch.no_grad():
         attentions = reference(ids, output_attentions=True).attentions  # L x [1, H, T, T]
     prompt_len, n = PROMPT.shape[1], record["future_heads"].shape[-1]
-    rows = slice(prompt_len - 1, prompt_len - 1 + len(answer))  # the last prompt token and the answer fed back
+    decided_at = prompt_len - 1 if protocol == "oneshot-question" else context_end
+    assert n == math.ceil(decided_at / 16)
+    rows = slice(decided_at, prompt_len - 1 + len(answer))  # what is fed after the decision, the answer included
     for layer, attention in enumerate(attentions):
         per_token = attention[0, :, rows, : n * 16].sum(dim=1)  # [H, tokens]
         per_block = torch.nn.functional.pad(per_token, (0, n * 16 - per_token.shape[1])).view(-1, n, 16).sum(-1)
         assert torch.allclose(record["future_heads"][layer], per_block, atol=1e-4)
+    # negative control: the answer's attention alone (the old oneshot-question future) misses the question's
+    if protocol == "oneshot":
+        answer_only = attentions[0][0, :, prompt_len - 1:, : n * 16].sum(dim=1)
+        answer_only = torch.nn.functional.pad(answer_only, (0, n * 16 - answer_only.shape[1])).view(-1, n, 16).sum(-1)
+        assert not torch.allclose(record["future_heads"][0], answer_only, atol=1e-2)
     features = record["features"].float()
     assert features.shape == (2, n, len(RANK_FEATURES)) and torch.isfinite(features).all()
+    # the features are the policy's: a question-blind compression shows the prefill phase
+    shown = "phase_compress" if protocol == "oneshot-question" else "phase_prefill"
+    assert (features[..., RANK_FEATURES.index(shown)] == 1).all()
 
 
 def synthetic_records(count: int, seed: int, signal: str = "last_mean_log_share"):

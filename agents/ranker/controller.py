@@ -1,5 +1,5 @@
 """A trained ranking policy as a cache ``Controller``: at every decision point it scores every block of every
-layer (``kvgym.envs.ranking.block_features``) and keeps each layer's top-b on device (``keep_top``): it evicts,
+layer (``kvgym.envs.ranking.policy_features``) and keeps each layer's top-b on device (``keep_top``): it evicts,
 merges, prefetches and keeps by itself, with no budget fallback left to act.
 
 Parameters (``ranker:PATH,stay=2,blind_phase=prefill``): ``merge``, ``stay`` (hysteresis) and ``blind_phase``
@@ -13,9 +13,7 @@ import numpy as np
 
 from agents.ranker.model import load_ranker
 from cache.controller import PHASES, CacheView, Decision
-from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top
-
-PHASE_COLUMNS = [RANK_FEATURES.index(f"phase_{phase}") for phase in PHASES]
+from kvgym.envs.ranking import keep_top, policy_features
 
 
 @dataclass
@@ -38,10 +36,7 @@ class RankerController:
 
     def scores(self, view: CacheView) -> tuple[np.ndarray, np.ndarray]:
         """``[L, N]`` keep scores and merge logits of every block."""
-        features = block_features(view)
-        if view.phase == "compress" and not view.question_read:
-            features[..., PHASE_COLUMNS] = [phase == self.blind_phase for phase in PHASES]
-        return self._model(features)
+        return self._model(policy_features(view, self.blind_phase))
 
     def decide(self, view: CacheView) -> list[Decision]:
         keep, merge = self.scores(view)

@@ -4,7 +4,9 @@
 decision (the prompt but its last token prefilled densely, so the question's queries are in the statistics):
 every block's ``block_features`` there and its **future attention** per query head, ``[L, H, N]``: the mass
 the full cache's last prompt token and greedy answer give each block. One ``.pt`` file per sample, written once
-(a killed collection resumes where it stopped).
+(a killed collection resumes where it stopped). With ``blind``, also the sample's **question-blind** decision
+point (``oneshot``, kvpress's pipeline: the context alone prefilled; its future is the attention of the question,
+the last prompt token and the answer), in a ``_blind`` file.
 
 **Streaming states** (``streaming_state``): the same sample run under the ``streaming`` protocol (chunked
 prefill, a budget, an optional host tier) with a *driver* controller deciding during the prefill; the block
@@ -39,7 +41,7 @@ from cache.controller import PHASES, CacheView
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner, budget_blocks
 from cache.tiers import Tier
-from kvgym.envs.ranking import BUDGET_COLUMN, PRESSURE_COLUMN, RANK_FEATURES, block_features
+from kvgym.envs.ranking import BUDGET_COLUMN, PRESSURE_COLUMN, RANK_FEATURES, block_features, policy_features
 from kvgym.envs.reward import ranking_regret
 
 BUDGETS = (0.125, 0.25, 0.5)
@@ -47,23 +49,32 @@ BUDGETS = (0.125, 0.25, 0.5)
 
 @torch.no_grad()
 def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos_ids: set[int] | None = None,
-                   shared=None) -> dict:
-    """The ``oneshot-question`` decision point of ``prompt`` (a ``cache.runner.Prompt``): features, the full
-    cache's future attention per query head, and the full cache's greedy answer. ``shared``: a
-    ``Runner.dense_prefill`` of the prompt to start from (a copy of it; default: prefill here)."""
+                   shared=None, protocol: str = "oneshot-question") -> dict:
+    """The one-shot decision point of ``prompt`` (a ``cache.runner.Prompt``): features (as the policy sees them,
+    ``policy_features``), the full cache's future attention per query head, and the full cache's greedy answer.
+    ``protocol``: ``oneshot-question`` (the prompt but its last token prefilled: the question read) or ``oneshot``
+    (kvpress's pipeline: the context alone prefilled, a question-blind compression, whose future is the attention
+    of the question, the last prompt token and the answer). ``shared``: a ``Runner.dense_prefill`` of the prompt
+    under ``protocol`` to start from (a copy of it; default: prefill here)."""
     if shared is None:
-        runner = Runner(model, None, CacheConfig(block_size=block_size), protocol="oneshot-question")
+        runner = Runner(model, None, CacheConfig(block_size=block_size), protocol=protocol)
         shared = runner.dense_prefill(prompt, max_new_tokens)
+    if shared.protocol != protocol:
+        raise ValueError(f"decision_point: the shared prefill is {shared.protocol!r}'s, not {protocol!r}'s")
     cache = shared.cache.clone()
     block_size = cache.block_size
     num_layers = cache.num_layers
     budget = budget_blocks(0.25, prompt.context_tokens, block_size, num_layers, cache.config.sink_blocks + 1)
-    view = CacheView.from_cache(cache, budget, phase="compress")
-    features = torch.from_numpy(block_features(view))
+    view = CacheView.from_cache(cache, budget, phase="compress", question_read=shared.dense_end > prompt.context_end)
+    features = torch.from_numpy(policy_features(view))
     before = view.acc_mass_heads.clone()
     n = view.num_blocks
-    token, answer = prompt.ids[-1], []
     device = next(model.parameters()).device
+    rest = prompt.ids[shared.dense_end:-1]  # oneshot: the question and answer prefix, read after the decision
+    for start in range(0, len(rest), 64):
+        model(input_ids=torch.tensor([rest[start:start + 64]], device=device), cache=cache, use_cache=True,
+              logits_to_keep=1)
+    token, answer = prompt.ids[-1], []
     for _ in range(max_new_tokens):
         out = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True, logits_to_keep=1)
         token = int(out.logits[0, -1].argmax())
@@ -74,7 +85,7 @@ def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos
     return {
         "features": features.half(), "future_heads": (after - before).float(), "context_tokens": prompt.context_tokens,
         "device_blocks": (view.tier == Tier.DEVICE).sum(dim=1), "sink_blocks": cache.config.sink_blocks,
-        "block_size": block_size, "answer": torch.tensor(answer), "prefill_s": shared.seconds,
+        "block_size": block_size, "answer": torch.tensor(answer), "prefill_s": shared.seconds, "protocol": protocol,
     }
 
 
@@ -125,10 +136,12 @@ def streaming_state(model, prompt, driver, budget: float, host_blocks: int, bloc
 
 def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed: int, out: str | Path,
             chat: bool = True, block_size: int = 16, max_new_tokens: int = 24, drivers: dict | None = None,
-            streaming_budgets: tuple[float, ...] = (0.25,), host_blocks: int = 0, log=print) -> list[Path]:
+            streaming_budgets: tuple[float, ...] = (0.25,), host_blocks: int = 0, blind: bool = False,
+            log=print) -> list[Path]:
     """Decision points of ``n`` samples per task × length (task seed ``seed``) into ``out``, and for each of
     ``drivers`` (name → controller) the sample's streaming states with ``host_blocks`` host blocks per layer,
-    at a budget of ``streaming_budgets`` (taken in turn by sample index); existing files are kept (resume)."""
+    at a budget of ``streaming_budgets`` (taken in turn by sample index); with ``blind``, the sample's
+    question-blind (``oneshot``) decision point too; existing files are kept (resume)."""
     from eval.tasks import generate
     from eval.tasks.prompt import build_prompt
 
@@ -142,8 +155,10 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
                 path = out / f"{task}_{length}_s{seed}_{index}.pt"
                 budget = streaming_budgets[index % len(streaming_budgets)]
                 streamed = {name: out / f"{path.stem}_streaming_{name}_b{budget}_h{host_blocks}.pt" for name in drivers or {}}
-                paths += [path, *streamed.values()]
-                if path.is_file() and all(p.is_file() for p in streamed.values()):
+                blind_path = out / f"{path.stem}_blind.pt" if blind else None
+                wanted = [path, *streamed.values(), *([blind_path] if blind else [])]
+                paths += wanted
+                if all(p.is_file() for p in wanted):
                     continue
                 sample = generate(task, tokenizer, length, seed=seed, index=index)
                 prompt = build_prompt(tokenizer, sample, chat)
@@ -163,6 +178,10 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
                                            f"{tuple(state['features'].shape)} features, the full cache's "
                                            f"decision point {tuple(record['features'].shape)}")
                     _save({**record, **state, "driver": name}, streamed_path)
+                if blind and not blind_path.is_file():
+                    blind_record = decision_point(model, prompt, min(sample.max_new_tokens, max_new_tokens), block_size,
+                                                  eos, protocol="oneshot")
+                    _save({**blind_record, "task": task, "length": length, "seed": seed, "index": index}, blind_path)
                 log(f"{path.name}: {record['features'].shape[1]} blocks, {time.perf_counter() - start:.1f} s")
     return paths
 
