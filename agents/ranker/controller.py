@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agents.ranker.model import load_ranker
-from cache.controller import PHASES, CacheView, Decision
-from kvgym.envs.ranking import keep_top, policy_features
+from cache.controller import CacheView, Decision
+from kvgym.envs.ranking import check_blind_phase, keep_top, policy_features
 
 
 @dataclass
@@ -29,8 +29,7 @@ class RankerController:
     _model: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        if self.blind_phase not in PHASES:
-            raise ValueError(f"blind_phase: expected one of {', '.join(PHASES)}, got {self.blind_phase!r}")
+        check_blind_phase(self.blind_phase)  # at construction, not at the first decision
         model, self.summary = load_ranker(self.path)
         self._model = model.inference()
 

@@ -155,8 +155,8 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
                 path = out / f"{task}_{length}_s{seed}_{index}.pt"
                 budget = streaming_budgets[index % len(streaming_budgets)]
                 streamed = {name: out / f"{path.stem}_streaming_{name}_b{budget}_h{host_blocks}.pt" for name in drivers or {}}
-                blind_path = out / f"{path.stem}_blind.pt" if blind else None
-                wanted = [path, *streamed.values(), *([blind_path] if blind else [])]
+                blind_paths = [out / f"{path.stem}_blind.pt"] if blind else []
+                wanted = [path, *streamed.values(), *blind_paths]
                 paths += wanted
                 if all(p.is_file() for p in wanted):
                     continue
@@ -178,7 +178,7 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
                                            f"{tuple(state['features'].shape)} features, the full cache's "
                                            f"decision point {tuple(record['features'].shape)}")
                     _save({**record, **state, "driver": name}, streamed_path)
-                if blind and not blind_path.is_file():
+                for blind_path in (p for p in blind_paths if not p.is_file()):
                     blind_record = decision_point(model, prompt, min(sample.max_new_tokens, max_new_tokens), block_size,
                                                   eos, protocol="oneshot")
                     _save({**blind_record, "task": task, "length": length, "seed": seed, "index": index}, blind_path)

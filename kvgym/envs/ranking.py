@@ -139,12 +139,16 @@ def block_features(view: CacheView) -> np.ndarray:
 PHASE_COLUMNS = [RANK_FEATURES.index(f"phase_{phase}") for phase in PHASES]
 
 
+def check_blind_phase(blind_phase: str) -> None:
+    if blind_phase not in PHASES:
+        raise ValueError(f"blind_phase: expected one of {', '.join(PHASES)}, got {blind_phase!r}")
+
+
 def policy_features(view: CacheView, blind_phase: str = "prefill") -> np.ndarray:
     """``block_features`` as the ranking policy sees them: a one-shot compression made before the question is
     read (``view.question_read`` False) shows the phase ``blind_phase`` (default ``prefill``: the policy learns
     question-blind decisions mid-prefill, and ``compress`` with the question read); ``compress`` leaves it."""
-    if blind_phase not in PHASES:
-        raise ValueError(f"blind_phase: expected one of {', '.join(PHASES)}, got {blind_phase!r}")
+    check_blind_phase(blind_phase)
     features = block_features(view)
     if view.phase == "compress" and not view.question_read:
         features[..., PHASE_COLUMNS] = [phase == blind_phase for phase in PHASES]

@@ -16,7 +16,7 @@ from cache.models import load_model
 from eval.tasks import generate
 from eval.tasks.prompt import _render
 from kvgym.envs.decisions import Decisions
-from kvgym.envs.ranking import RANK_FEATURES
+from kvgym.envs.ranking import PHASE_COLUMNS, RANK_FEATURES
 
 LENGTH, SEED, BLOCK = 2048, 102, 16
 FEATURE_RANKINGS = ("key_norm_rank", "key_distinct_rank", "last_query_max_rank", "last_mean_rank")
@@ -53,7 +53,6 @@ def needle_kept(decisions: Decisions, scores: torch.Tensor, needles: list[list[i
 def main(folder: Path) -> None:
     tokenizer = load_model("smollm2-135m").tokenizer
     model, _ = load_ranker("policies/ranker_smollm2.pt")
-    phase_columns = [RANK_FEATURES.index(f"phase_{phase}") for phase in PHASES]
     records = [torch.load(path, weights_only=True) for path in sorted(folder.glob("*.pt"))]
     needles = [needle_blocks(tokenizer, record) for record in records]
     variants = list(records[0]["futures"])
@@ -61,7 +60,7 @@ def main(folder: Path) -> None:
     for budget in (0.125, 0.25, 0.5):
         decisions = Decisions(records, budgets=(budget,))
         shown_as_compress = decisions.features.clone()
-        shown_as_compress[..., phase_columns] = torch.tensor([p == "compress" for p in PHASES], dtype=torch.float32)
+        shown_as_compress[..., PHASE_COLUMNS] = torch.tensor([p == "compress" for p in PHASES], dtype=torch.float32)
         with torch.no_grad():
             scores = {"ranker (prefill view)": model(decisions.features)[0],
                       "ranker (compress view)": model(shown_as_compress)[0]}
