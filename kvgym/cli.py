@@ -24,6 +24,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from importlib import resources
@@ -286,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_collect.add_argument("--blind", action="store_true",
                                 help="also each sample's question-blind decision point (oneshot: the context alone "
                                      "prefilled, as in kvpress's pipeline)")
+    ranker_collect.add_argument("--teacher", choices=["kvzip"], default=None,
+                                help="with --blind: also record a teacher's block scores at the question-blind "
+                                     "decision point (kvzip: KVzip's context-reconstruction attention)")
+    ranker_collect.add_argument("--blind-only", action="store_true",
+                                help="with --blind: record the question-blind decision points alone")
     ranker_train = ranker_kinds.add_parser("train", help="warm start on the oracle, then policy gradient on the regret")
     ranker_train.add_argument("--train", type=Path, required=True, help="a folder from `kvgym ranker collect`")
     ranker_train.add_argument("--validation", type=Path, required=True,
@@ -293,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_train.add_argument("--warm-epochs", type=int, default=30)
     ranker_train.add_argument("--rl-epochs", type=int, default=30)
     ranker_train.add_argument("--seed", type=int, default=0)
+    ranker_train.add_argument("--target", choices=["future", "teacher"], default="future",
+                              help="what a ranking is scored against: the future attention (default) or the "
+                                   "teacher's scores of records collected with `--teacher`")
     ranker_train.add_argument("--out", type=Path, required=True,
                               help="run folder: ranker.pt, warm_start.pt, metrics.jsonl, tensorboard/, summary.json")
 
@@ -597,7 +606,7 @@ def cmd_ranker(args) -> int:
                 raise ValueError(f"--{name} {folder}: no decision points (.pt) there; make them with `kvgym ranker collect`")
             sets[name] = load_records(paths)
         summary = train(sets["train"], sets["validation"], args.out, warm_epochs=args.warm_epochs,
-                        rl_epochs=args.rl_epochs, seed=args.seed)
+                        rl_epochs=args.rl_epochs, seed=args.seed, target=args.target)
         print(json.dumps(summary["best"]), f"-> {args.out / 'ranker.pt'}")
         return 0
     if args.ranker == "fidelity":
@@ -609,10 +618,16 @@ def cmd_ranker(args) -> int:
     tasks = checked_tasks(args.tasks)
     drivers = {spec.replace(":", "-").replace("/", "-"): make_controller(spec)
                for spec in (s.strip() for s in args.drivers.split(",")) if spec}
+    teacher = None
+    if args.teacher == "kvzip":
+        from agents.baselines.kvzip import KVzip, reconstruction_mass
+
+        teacher = ("kvzip", functools.partial(reconstruction_mass, chunk_size=KVzip.chunk_size))
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     paths = collect(loaded.model, loaded.tokenizer, tasks, args.lengths, args.n, args.seed, args.out,
                     chat=not args.no_chat, block_size=args.block_size, drivers=drivers,
-                    streaming_budgets=tuple(args.streaming_budgets), host_blocks=args.host_blocks, blind=args.blind)
+                    streaming_budgets=tuple(args.streaming_budgets), host_blocks=args.host_blocks, blind=args.blind,
+                    teacher=teacher, blind_only=args.blind_only)
     print(f"{len(paths)} decision points in {args.out}")
     return 0
 

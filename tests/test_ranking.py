@@ -258,6 +258,69 @@ def test_future_attention_of_a_decision_point_matches_eager_attention(tiny_model
     assert (features[..., RANK_FEATURES.index(shown)] == 1).all()
 
 
+def test_a_teacher_scores_the_question_blind_decision_point_it_is_shown(tiny_model):
+    """The teacher sees the decision's view (the model, the context's tokens, the question not read) and its
+    scores are recorded beside the future attention; ``Decisions(target="teacher")`` scores rankings by them."""
+    from agents.baselines.kvzip import reconstruction_mass
+
+    seen = {}
+
+    def teacher(view):
+        seen.update(tokens=view.token_ids.tolist(), question_read=view.question_read, model=view.model)
+        return reconstruction_mass(view, chunk_size=2048)
+
+    prompt = Prompt(PROMPT[0].tolist(), context_end=150)
+    record = decision_point(tiny_model, prompt, max_new_tokens=4, block_size=16, protocol="oneshot", teacher=teacher)
+    assert seen == {"tokens": PROMPT[0, :150].tolist(), "question_read": False, "model": tiny_model}
+    teacher_heads = record["teacher_heads"]
+    assert teacher_heads.shape == record["future_heads"].shape == (2, 4, 10)
+    assert not torch.allclose(teacher_heads, record["future_heads"])  # reconstruction is not the future
+    # KVzip's controller evicts by the same scores: with a budget of 5 blocks the blocks it keeps are the top 3
+    # of the teacher's (besides the sink and the newest block)
+    kvzip = make_controller("kvzip")
+    compressions = []
+
+    def decide(view):
+        decisions = type(kvzip).decide(kvzip, view)
+        if view.phase == "compress":
+            compressions.append(decisions)
+        return decisions
+
+    kvzip.decide = decide
+    Runner(tiny_model, None, CacheConfig(block_size=16), controller=kvzip, budget=5, protocol="oneshot").run(
+        prompt, max_new_tokens=1)
+    evicted_live = [{d.block for d in compressions[0] if d.layer == layer} for layer in range(2)]
+    scores = teacher_heads.amax(dim=1)[:, 1:9]
+    evicted_taught = [set((torch.topk(scores[layer], 5, largest=False).indices + 1).tolist()) for layer in range(2)]
+    assert len(compressions) == 1 and evicted_live == evicted_taught
+    decisions = Decisions([record], target="teacher")
+    assert torch.equal(decisions.mass[: 2], teacher_heads.amax(dim=1))
+    assert (decisions.regret(decisions.mass) == 0).all()
+    assert (decisions.regret(-decisions.mass) > 0).any()  # negative control: the reverse of the teacher's order
+    with pytest.raises(ValueError, match="teacher_heads"):
+        Decisions([{k: v for k, v in record.items() if k != "teacher_heads"}], target="teacher")
+    with pytest.raises(ValueError, match="shape"):
+        decision_point(tiny_model, prompt, max_new_tokens=2, protocol="oneshot", teacher=lambda view: torch.zeros(3))
+
+
+def test_training_on_a_teachers_scores_learns_the_teachers_ranking(tmp_path):
+    """Records whose future attention follows one feature and whose teacher follows another: trained with
+    ``target="teacher"`` the ranker follows the teacher (and, the control, with the default target the future)."""
+    records, validation = synthetic_records(12, 1), synthetic_records(4, 2)
+    teacher_column = RANK_FEATURES.index("key_norm_rank")
+    for record in records + validation:
+        features = record["features"].float()
+        record["teacher_heads"] = features[..., teacher_column].exp()[:, None].expand(2, 3, -1).contiguous()
+    runs = {target: train(records, validation, tmp_path / target, warm_epochs=15, rl_epochs=0, batch=16, seed=0,
+                          target=target, log=lambda _: None) for target in ("teacher", "future")}
+    teacher_view, future_view = Decisions(validation, target="teacher"), Decisions(validation)
+    taught, _ = load_ranker(tmp_path / "teacher" / "ranker.pt")
+    plain, _ = load_ranker(tmp_path / "future" / "ranker.pt")
+    assert regret_table(teacher_view, taught)["ranker"]["all"] < 0.5 * regret_table(teacher_view, plain)["ranker"]["all"]
+    assert regret_table(future_view, plain)["ranker"]["all"] < 0.5 * regret_table(future_view, taught)["ranker"]["all"]
+    assert runs["teacher"]["target"] == "teacher"
+
+
 def synthetic_records(count: int, seed: int, signal: str = "last_mean_log_share"):
     """Decision points whose future mass is visible (with noise) in one feature column."""
     generator = torch.Generator().manual_seed(seed)

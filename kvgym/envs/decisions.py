@@ -6,7 +6,11 @@ every block's ``block_features`` there and its **future attention** per query he
 the full cache's last prompt token and greedy answer give each block. One ``.pt`` file per sample, written once
 (a killed collection resumes where it stopped). With ``blind``, also the sample's **question-blind** decision
 point (``oneshot``, kvpress's pipeline: the context alone prefilled; its future is the attention of the question,
-the last prompt token and the answer), in a ``_blind`` file.
+the last prompt token and the answer), in a ``_blind`` file. With a ``teacher`` (a function of the decision's
+``CacheView`` giving a score per query head and block, ``[L, H, N]``: KVzip's reconstruction attention, for
+example; ``agents`` supplies it), the blind record also carries the teacher's scores (``teacher_heads``), in a
+``_blind_<teacher>`` file: on question-blind decisions the future attention misleads (BENCHMARKS.md, "the regret
+misleads"), and a teacher that sees the whole context may not.
 
 **Streaming states** (``streaming_state``): the same sample run under the ``streaming`` protocol (chunked
 prefill, a budget, an optional host tier) with a *driver* controller deciding during the prefill; the block
@@ -49,13 +53,15 @@ BUDGETS = (0.125, 0.25, 0.5)
 
 @torch.no_grad()
 def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos_ids: set[int] | None = None,
-                   shared=None, protocol: str = "oneshot-question") -> dict:
+                   shared=None, protocol: str = "oneshot-question", teacher=None) -> dict:
     """The one-shot decision point of ``prompt`` (a ``cache.runner.Prompt``): features (as the policy sees them,
     ``policy_features``), the full cache's future attention per query head, and the full cache's greedy answer.
     ``protocol``: ``oneshot-question`` (the prompt but its last token prefilled: the question read) or ``oneshot``
     (kvpress's pipeline: the context alone prefilled, a question-blind compression, whose future is the attention
     of the question, the last prompt token and the answer). ``shared``: a ``Runner.dense_prefill`` of the prompt
-    under ``protocol`` to start from (a copy of it; default: prefill here)."""
+    under ``protocol`` to start from (a copy of it; default: prefill here). ``teacher``: a function of the
+    decision's ``CacheView`` (with the model and the tokens read) → ``[L, H, N]`` scores, recorded as
+    ``teacher_heads``."""
     if shared is None:
         runner = Runner(model, None, CacheConfig(block_size=block_size), protocol=protocol)
         shared = runner.dense_prefill(prompt, max_new_tokens)
@@ -65,9 +71,17 @@ def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos
     block_size = cache.block_size
     num_layers = cache.num_layers
     budget = budget_blocks(0.25, prompt.context_tokens, block_size, num_layers, cache.config.sink_blocks + 1)
-    view = CacheView.from_cache(cache, budget, phase="compress", question_read=shared.dense_end > prompt.context_end)
+    view = CacheView.from_cache(cache, budget, phase="compress", model=model,
+                                token_ids=torch.tensor(prompt.ids[: shared.dense_end], dtype=torch.long),
+                                question_read=shared.dense_end > prompt.context_end)
     features = torch.from_numpy(policy_features(view))
     before = view.acc_mass_heads.clone()
+    taught = {}
+    if teacher is not None:
+        taught["teacher_heads"] = teacher(view).float()
+        if taught["teacher_heads"].shape != before.shape:
+            raise ValueError(f"decision_point: the teacher gave scores of shape {tuple(taught['teacher_heads'].shape)}, "
+                             f"expected [layers, query heads, blocks] = {tuple(before.shape)}")
     n = view.num_blocks
     device = next(model.parameters()).device
     rest = prompt.ids[shared.dense_end:-1]  # oneshot: the question and answer prefix, read after the decision
@@ -86,6 +100,7 @@ def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos
         "features": features.half(), "future_heads": (after - before).float(), "context_tokens": prompt.context_tokens,
         "device_blocks": (view.tier == Tier.DEVICE).sum(dim=1), "sink_blocks": cache.config.sink_blocks,
         "block_size": block_size, "answer": torch.tensor(answer), "prefill_s": shared.seconds, "protocol": protocol,
+        **taught,
     }
 
 
@@ -137,11 +152,17 @@ def streaming_state(model, prompt, driver, budget: float, host_blocks: int, bloc
 def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed: int, out: str | Path,
             chat: bool = True, block_size: int = 16, max_new_tokens: int = 24, drivers: dict | None = None,
             streaming_budgets: tuple[float, ...] = (0.25,), host_blocks: int = 0, blind: bool = False,
-            log=print) -> list[Path]:
+            teacher: tuple[str, object] | None = None, blind_only: bool = False, log=print) -> list[Path]:
     """Decision points of ``n`` samples per task × length (task seed ``seed``) into ``out``, and for each of
     ``drivers`` (name → controller) the sample's streaming states with ``host_blocks`` host blocks per layer,
     at a budget of ``streaming_budgets`` (taken in turn by sample index); with ``blind``, the sample's
-    question-blind (``oneshot``) decision point too; existing files are kept (resume)."""
+    question-blind (``oneshot``) decision point too, with ``teacher`` (``(name, function)``, see
+    ``decision_point``) the teacher's scores in it; ``blind_only``: that one alone (no ``oneshot-question`` or
+    streaming records); existing files are kept (resume)."""
+    if blind_only and not blind:
+        raise ValueError("collect: blind_only needs blind (the question-blind decision points)")
+    if teacher is not None and not blind:
+        raise ValueError("collect: a teacher scores the question-blind decision points: pass blind too")
     from eval.tasks import generate
     from eval.tasks.prompt import build_prompt
 
@@ -154,16 +175,20 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
             for index in range(n):
                 path = out / f"{task}_{length}_s{seed}_{index}.pt"
                 budget = streaming_budgets[index % len(streaming_budgets)]
-                streamed = {name: out / f"{path.stem}_streaming_{name}_b{budget}_h{host_blocks}.pt" for name in drivers or {}}
-                blind_paths = [out / f"{path.stem}_blind.pt"] if blind else []
-                wanted = [path, *streamed.values(), *blind_paths]
+                streamed = {} if blind_only else \
+                    {name: out / f"{path.stem}_streaming_{name}_b{budget}_h{host_blocks}.pt" for name in drivers or {}}
+                suffix = "_blind" if teacher is None else f"_blind_{teacher[0]}"
+                blind_paths = [out / f"{path.stem}{suffix}.pt"] if blind else []
+                wanted = [*([] if blind_only else [path]), *streamed.values(), *blind_paths]
                 paths += wanted
                 if all(p.is_file() for p in wanted):
                     continue
                 sample = generate(task, tokenizer, length, seed=seed, index=index)
                 prompt = build_prompt(tokenizer, sample, chat)
                 start = time.perf_counter()
-                if path.is_file():
+                if blind_only:
+                    record = None
+                elif path.is_file():
                     record = torch.load(path, weights_only=True)
                 else:
                     record = decision_point(model, prompt, min(sample.max_new_tokens, max_new_tokens), block_size, eos)
@@ -180,8 +205,9 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
                     _save({**record, **state, "driver": name}, streamed_path)
                 for blind_path in (p for p in blind_paths if not p.is_file()):
                     blind_record = decision_point(model, prompt, min(sample.max_new_tokens, max_new_tokens), block_size,
-                                                  eos, protocol="oneshot")
+                                                  eos, protocol="oneshot", teacher=None if teacher is None else teacher[1])
                     _save({**blind_record, "task": task, "length": length, "seed": seed, "index": index}, blind_path)
+                    record = record or blind_record
                 log(f"{path.name}: {record['features'].shape[1]} blocks, {time.perf_counter() - start:.1f} s")
     return paths
 
@@ -192,19 +218,29 @@ def _save(record: dict, path: Path) -> None:
     tmp.replace(path)
 
 
+TARGETS = {"future": "future_heads", "teacher": "teacher_heads"}
+
+
 class Decisions:
     """Padded tensors of decision points × budgets, one row per (sample, budget, layer):
-    ``features`` ``[R, N, F]``, ``mass`` ``[R, N]`` (future mass, max over query heads), ``candidates``
+    ``features`` ``[R, N, F]``, ``mass`` ``[R, N]`` (the ``target``'s scores, max over query heads: the future
+    attention, or the teacher's scores of a record collected with one), ``candidates``
     ``[R, N]`` (valid, not pinned), ``room`` ``[R]`` (blocks kept besides the pinned), ``budget`` ``[R]``,
     ``phase`` ``[R]`` (the decision point's phase, an index into ``PHASES``: ``compress`` for one-shot records)."""
 
-    def __init__(self, records: list[dict], budgets=BUDGETS):
+    def __init__(self, records: list[dict], budgets=BUDGETS, target: str = "future"):
+        if target not in TARGETS:
+            raise ValueError(f"Decisions target: expected one of {', '.join(TARGETS)}, got {target!r}")
+        untaught = sum(TARGETS[target] not in r for r in records)
+        if untaught:
+            raise ValueError(f"Decisions target {target!r}: {untaught} of {len(records)} records have no "
+                             f"{TARGETS[target]} (collect them with a teacher: `kvgym ranker collect --blind --teacher`)")
         width = max(int(r["features"].shape[1]) for r in records)
         rows = {"features": [], "mass": [], "candidates": [], "room": [], "budget": [], "phase": []}
         for record in records:
             features = record["features"].float()
             num_layers, n, _ = features.shape
-            mass = record["future_heads"].amax(dim=1)  # [L, N]
+            mass = record[TARGETS[target]].float().amax(dim=1)  # [L, N]
             pinned = torch.zeros(n, dtype=torch.bool)
             pinned[: int(record["sink_blocks"])] = True
             pinned[n - 1] = True
