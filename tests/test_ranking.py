@@ -464,6 +464,23 @@ def test_ranker_shows_a_question_blind_compression_as_its_blind_phase(tiny_model
         RankerController(str(path), blind_phase="context")
 
 
+def test_a_blind_ranker_makes_only_the_question_blind_compressions(tiny_model, tmp_path):
+    torch.manual_seed(0)
+    main, blind_file = save_ranker(BlockScorer(hidden=8), tmp_path / "main.pt"), save_ranker(BlockScorer(hidden=8), tmp_path / "b.pt")
+    cache, _ = view_after_prefill(tiny_model)
+    views = {(phase, read): CacheView.from_cache(cache, [5, 5], phase=phase, question_read=read)
+             for phase in ("compress", "prefill", "question") for read in (False, True)}
+    both = RankerController(str(main), blind=str(blind_file))
+    alone, blind_alone = RankerController(str(main)), RankerController(str(blind_file))
+    for (phase, read), view in views.items():
+        expected = blind_alone if (phase, read) == ("compress", False) else alone
+        assert np.array_equal(both.scores(view)[0], expected.scores(view)[0]), (phase, read)
+    # negative control: the two files score differently, so the check above can tell them apart
+    assert not np.array_equal(alone.scores(views["compress", False])[0], blind_alone.scores(views["compress", False])[0])
+    with pytest.raises(PolicyFileError, match="does not exist"):
+        RankerController(str(main), blind=str(tmp_path / "missing.pt"))
+
+
 def test_bench_ranker_times_every_part_of_a_decision(tiny_model, tmp_path):
     from agents.ranker.benchmark import bench_decision, bench_replay
 

@@ -2,8 +2,10 @@
 layer (``kvgym.envs.ranking.policy_features``) and keeps each layer's top-b on device (``keep_top``): it evicts,
 merges, prefetches and keeps by itself, with no budget fallback left to act.
 
-Parameters (``ranker:PATH,stay=2,blind_phase=prefill``): ``merge``, ``stay`` (hysteresis) and ``blind_phase``
-(how a question-blind one-shot compression is presented, see ``CacheView.question_read``)."""
+Parameters (``ranker:PATH,stay=2,blind_phase=prefill,blind=PATH``): ``merge``, ``stay`` (hysteresis),
+``blind_phase`` (how a question-blind one-shot compression is presented, see ``CacheView.question_read``) and
+``blind``: a second ranker file that makes the question-blind one-shot compressions instead (one trained for
+them, e.g. on KVzip's scores: `kvgym ranker train --target teacher`); every other decision stays ``PATH``'s."""
 
 from __future__ import annotations
 
@@ -26,16 +28,20 @@ class RankerController:
     # training saw question-blind decisions only mid-prefill (streaming), and "compress" only with the question
     # read (``oneshot-question``); "compress" gives the features as recorded
     blind_phase: str = "prefill"
+    blind: str = ""  # a ranker file for the question-blind one-shot compressions ("": PATH's decides them too)
     _model: object = field(default=None, init=False, repr=False)
+    _blind_model: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         check_blind_phase(self.blind_phase)  # at construction, not at the first decision
         model, self.summary = load_ranker(self.path)
         self._model = model.inference()
+        self._blind_model = load_ranker(self.blind)[0].inference() if self.blind else self._model
 
     def scores(self, view: CacheView) -> tuple[np.ndarray, np.ndarray]:
         """``[L, N]`` keep scores and merge logits of every block."""
-        return self._model(policy_features(view, self.blind_phase))
+        blind = view.phase == "compress" and not view.question_read
+        return (self._blind_model if blind else self._model)(policy_features(view, self.blind_phase))
 
     def decide(self, view: CacheView) -> list[Decision]:
         keep, merge = self.scores(view)
