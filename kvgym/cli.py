@@ -302,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_train.add_argument("--target", choices=["future", "teacher"], default="future",
                               help="what a ranking is scored against: the future attention (default) or the "
                                    "teacher's scores of records collected with `--teacher`")
+    ranker_train.add_argument("--needle-weight", type=float, default=0.0,
+                              help="add the blocks that state the answer to the target, worth this many times the "
+                                   "rest of the layer (0: off)")
     ranker_train.add_argument("--out", type=Path, required=True,
                               help="run folder: ranker.pt, warm_start.pt, metrics.jsonl, tensorboard/, summary.json")
 
@@ -606,7 +609,8 @@ def cmd_ranker(args) -> int:
                 raise ValueError(f"--{name} {folder}: no decision points (.pt) there; make them with `kvgym ranker collect`")
             sets[name] = load_records(paths)
         summary = train(sets["train"], sets["validation"], args.out, warm_epochs=args.warm_epochs,
-                        rl_epochs=args.rl_epochs, seed=args.seed, target=args.target)
+                        rl_epochs=args.rl_epochs, seed=args.seed, target=args.target,
+                        needle_weight=args.needle_weight)
         print(json.dumps(summary["best"]), f"-> {args.out / 'ranker.pt'}")
         return 0
     if args.ranker == "fidelity":

@@ -321,6 +321,27 @@ def test_training_on_a_teachers_scores_learns_the_teachers_ranking(tmp_path):
     assert runs["teacher"]["target"] == "teacher"
 
 
+def test_needle_weight_makes_the_blocks_that_state_the_answer_worth_that_much_more():
+    record = {**synthetic_records(1, seed=5)[0], "answer_blocks": torch.tensor([3, 7, 40])}  # 40: past the end
+    plain, weighted = Decisions([record], budgets=(0.25,)), Decisions([record], budgets=(0.25,), needle_weight=1.0)
+    layer_mass = plain.mass / plain.mass.sum(dim=1, keepdim=True)
+    expected = layer_mass.clone()
+    expected[:, [3, 7]] += 0.5  # the weight shared by the needle's two blocks (block 40 is not in this record)
+    assert torch.allclose(weighted.mass, expected)
+    # keeping the needle is worth far more under the needle weight than under the attention alone (the control)
+    scores = plain.mass.clone()
+    scores[:, [3, 7]] = -1.0  # the attention oracle's order, the needle last
+    keeping = scores.clone()
+    keeping[:, [3, 7]] = 10.0
+    gain_weighted = weighted.regret(scores) - weighted.regret(keeping)
+    gain_plain = plain.regret(scores) - plain.regret(keeping)
+    assert (gain_weighted > gain_plain + 0.3).all() and (gain_weighted > 0.3).all()
+    with pytest.raises(ValueError, match="answer_blocks"):
+        Decisions(synthetic_records(1, seed=5), needle_weight=1.0)
+    with pytest.raises(ValueError, match="needle_weight"):
+        Decisions([record], needle_weight=-1.0)
+
+
 def synthetic_records(count: int, seed: int, signal: str = "last_mean_log_share"):
     """Decision points whose future mass is visible (with noise) in one feature column."""
     generator = torch.Generator().manual_seed(seed)

@@ -333,3 +333,20 @@ def test_multiturn_tasks(make, tokenizer, task, length):
     assert len(set(questions)) == NUM_TURNS and all(q.strip() for q in questions)
     assert all(turn.question.startswith("\n") for turn in sample.turns)
     assert make(task, length) is make(task, length) and generate(task, tokenizer, length, 0, 0).turns == sample.turns
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("task", ["passkey", "niah_single", "niah_multikey", "vt"])
+def test_answer_positions_are_the_context_tokens_that_state_the_answer(make, tokenizer, task, chat):
+    from eval.tasks.prompt import answer_positions, build_prompt
+
+    sample = make(task, 1024)
+    prompt = build_prompt(tokenizer, sample, chat)
+    positions = answer_positions(tokenizer, sample, chat)
+    assert positions and all(0 < p < prompt.context_end for p in positions)  # in the context, never the question
+    stated = tokenizer.decode([prompt.ids[p] for p in positions]).replace(" ", "")
+    for gold in sample.outputs:  # every gold answer is spelled out by those tokens, as often as the context says it
+        assert stated.count(gold) >= sample.context.count(gold) >= 1
+    # negative control: the same count of tokens elsewhere in the context does not spell the answer
+    elsewhere = tokenizer.decode(prompt.ids[prompt.context_end - 2 * len(positions): prompt.context_end - len(positions)])
+    assert not all(gold in elsewhere.replace(" ", "") for gold in sample.outputs)

@@ -95,24 +95,27 @@ def plackett_luce_topk(scores: torch.Tensor, candidates: torch.Tensor, room: tor
 
 def train(records: list[dict], validation: list[dict], out: str | Path, warm_epochs: int = 30, rl_epochs: int = 30,
           samples: int = 8, batch: int = 256, lr: float = 3e-3, rl_lr: float = 1e-3, hidden: int = 64,
-          seed: int = 0, target: str = "future", log=print) -> dict:
+          seed: int = 0, target: str = "future", needle_weight: float = 0.0, log=print) -> dict:
     """Train a ``BlockScorer`` (warm start, then policy gradient); writes ``out/ranker.pt`` (best by validation
     regret), ``out/warm_start.pt`` (the warm start alone), ``out/metrics.jsonl``, TensorBoard events and
     ``out/summary.json``. ``target``: what a ranking's regret is measured against (``Decisions``): the future
-    attention, or the teacher's scores (records collected with one: the warm start then imitates the teacher)."""
+    attention, or the teacher's scores (records collected with one: the warm start then imitates the teacher),
+    with ``needle_weight`` for the blocks that state the answer (``Decisions``)."""
     from torch.utils.tensorboard import SummaryWriter
 
     torch.manual_seed(seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    data, held = Decisions(records, target=target), Decisions(validation, target=target)
+    data = Decisions(records, target=target, needle_weight=needle_weight)
+    held = Decisions(validation, target=target, needle_weight=needle_weight)
     model = BlockScorer(len(RANK_FEATURES), hidden)
     model.set_normalisation(data.features[data.candidates])
     writer = SummaryWriter(str(out / "tensorboard"))
     metrics = (out / "metrics.jsonl").open("w")
     best = {"regret": math.inf}
     summary = {"train_rows": len(data), "validation_rows": len(held), "train_samples": len(records),
-               "validation_samples": len(validation), "budgets": list(BUDGETS), "target": target}
+               "validation_samples": len(validation), "budgets": list(BUDGETS), "target": target,
+               "needle_weight": needle_weight}
 
     def evaluate(epoch: int, stage: str, loss: float) -> None:
         model.eval()

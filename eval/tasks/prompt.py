@@ -18,6 +18,8 @@ Used by the command line, the environments, the traces and the evaluation harnes
 
 from __future__ import annotations
 
+import re
+
 from cache.runner import Prompt
 
 ANSWER_PLACEHOLDER = "\x00kvgym-answer\x00"
@@ -65,6 +67,24 @@ def build_prompt(tokenizer, sample, chat: bool = True) -> Prompt:
     else:
         ids, context_end = _split_ids(tokenizer, sample.input + sample.answer_prefix, len(sample.context), True)
     return Prompt(ids, context_end=min(context_end, len(ids)), turns=turn_ids(tokenizer, sample, chat))
+
+
+def answer_positions(tokenizer, sample, chat: bool = True) -> list[int]:
+    """Positions, in ``build_prompt(tokenizer, sample, chat)``'s ids, of the context tokens that hold a gold
+    answer's characters, at every place the context states it (the needle of a retrieval task); empty when no
+    gold answer occurs in the context, or the tokenizer gives no character offsets."""
+    if uses_chat(tokenizer, sample, chat):
+        text = _render(tokenizer, [{"role": "user", "content": sample.input}]) + sample.answer_prefix
+        where, special = text.find(sample.input), False
+    else:
+        text, where, special = sample.input + sample.answer_prefix, 0, True
+    try:
+        offsets = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)["offset_mapping"]
+    except (NotImplementedError, KeyError, TypeError, ValueError):  # a slow tokenizer: no offsets
+        return []
+    spans = [(where + found.start(), where + found.end()) for answer in sample.outputs if answer
+             for found in re.finditer(re.escape(answer), sample.context)]
+    return [i for i, (start, stop) in enumerate(offsets) if any(start < b and stop > a for a, b in spans)]
 
 
 def turn_ids(tokenizer, sample, chat: bool = True) -> list[list[int]]:

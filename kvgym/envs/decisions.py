@@ -10,7 +10,9 @@ the last prompt token and the answer), in a ``_blind`` file. With a ``teacher`` 
 ``CacheView`` giving a score per query head and block, ``[L, H, N]``: KVzip's reconstruction attention, for
 example; ``agents`` supplies it), the blind record also carries the teacher's scores (``teacher_heads``), in a
 ``_blind_<teacher>`` file: on question-blind decisions the future attention misleads (BENCHMARKS.md, "the regret
-misleads"), and a teacher that sees the whole context may not.
+misleads"), and a teacher that sees the whole context may not. Every record also names its sample's
+``answer_blocks``: the blocks whose tokens state a gold answer in the context (the needle;
+``eval.tasks.prompt.answer_positions``), which ``Decisions(needle_weight=...)`` can add to the target.
 
 **Streaming states** (``streaming_state``): the same sample run under the ``streaming`` protocol (chunked
 prefill, a budget, an optional host tier) with a *driver* controller deciding during the prefill; the block
@@ -164,7 +166,7 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
     if teacher is not None and not blind:
         raise ValueError("collect: a teacher scores the question-blind decision points: pass blind too")
     from eval.tasks import generate
-    from eval.tasks.prompt import build_prompt
+    from eval.tasks.prompt import answer_positions, build_prompt
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,10 +183,15 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
                 blind_paths = [out / f"{path.stem}{suffix}.pt"] if blind else []
                 wanted = [*([] if blind_only else [path]), *streamed.values(), *blind_paths]
                 paths += wanted
-                if all(p.is_file() for p in wanted):
+                done = [p for p in wanted if p.is_file()]
+                if len(done) == len(wanted) and all(_has_answer_blocks(p) for p in done):
                     continue
                 sample = generate(task, tokenizer, length, seed=seed, index=index)
                 prompt = build_prompt(tokenizer, sample, chat)
+                needle = {"answer_blocks": torch.tensor(sorted({i // block_size for i in
+                                                                answer_positions(tokenizer, sample, chat)}))}
+                for done_path in (p for p in done if not _has_answer_blocks(p)):  # files of an older kvgym
+                    _save({**torch.load(done_path, weights_only=True), **needle}, done_path)
                 start = time.perf_counter()
                 if blind_only:
                     record = None
@@ -192,7 +199,7 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
                     record = torch.load(path, weights_only=True)
                 else:
                     record = decision_point(model, prompt, min(sample.max_new_tokens, max_new_tokens), block_size, eos)
-                    record.update(task=task, length=length, seed=seed, index=index)
+                    record.update(task=task, length=length, seed=seed, index=index, **needle)
                     _save(record, path)
                 for name, streamed_path in streamed.items():
                     if streamed_path.is_file():
@@ -206,10 +213,15 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
                 for blind_path in (p for p in blind_paths if not p.is_file()):
                     blind_record = decision_point(model, prompt, min(sample.max_new_tokens, max_new_tokens), block_size,
                                                   eos, protocol="oneshot", teacher=None if teacher is None else teacher[1])
-                    _save({**blind_record, "task": task, "length": length, "seed": seed, "index": index}, blind_path)
+                    _save({**blind_record, "task": task, "length": length, "seed": seed, "index": index, **needle},
+                          blind_path)
                     record = record or blind_record
                 log(f"{path.name}: {record['features'].shape[1]} blocks, {time.perf_counter() - start:.1f} s")
     return paths
+
+
+def _has_answer_blocks(path: Path) -> bool:
+    return "answer_blocks" in torch.load(path, weights_only=True, map_location="cpu")
 
 
 def _save(record: dict, path: Path) -> None:
@@ -224,13 +236,20 @@ TARGETS = {"future": "future_heads", "teacher": "teacher_heads"}
 class Decisions:
     """Padded tensors of decision points × budgets, one row per (sample, budget, layer):
     ``features`` ``[R, N, F]``, ``mass`` ``[R, N]`` (the ``target``'s scores, max over query heads: the future
-    attention, or the teacher's scores of a record collected with one), ``candidates``
+    attention, or the teacher's scores of a record collected with one; with ``needle_weight`` w > 0 each layer's
+    target is normalised to sum 1 and its ``answer_blocks`` share w more among them: the needle is worth w times
+    the rest of the layer), ``candidates``
     ``[R, N]`` (valid, not pinned), ``room`` ``[R]`` (blocks kept besides the pinned), ``budget`` ``[R]``,
     ``phase`` ``[R]`` (the decision point's phase, an index into ``PHASES``: ``compress`` for one-shot records)."""
 
-    def __init__(self, records: list[dict], budgets=BUDGETS, target: str = "future"):
+    def __init__(self, records: list[dict], budgets=BUDGETS, target: str = "future", needle_weight: float = 0.0):
         if target not in TARGETS:
             raise ValueError(f"Decisions target: expected one of {', '.join(TARGETS)}, got {target!r}")
+        if not needle_weight >= 0:
+            raise ValueError(f"Decisions needle_weight: expected a weight >= 0, got {needle_weight!r}")
+        if needle_weight and any("answer_blocks" not in r for r in records):
+            raise ValueError("Decisions needle_weight: records without answer_blocks (collected by an older kvgym: "
+                             "rerun `kvgym ranker collect` on their folder, it adds them)")
         untaught = sum(TARGETS[target] not in r for r in records)
         if untaught:
             raise ValueError(f"Decisions target {target!r}: {untaught} of {len(records)} records have no "
@@ -241,6 +260,12 @@ class Decisions:
             features = record["features"].float()
             num_layers, n, _ = features.shape
             mass = record[TARGETS[target]].float().amax(dim=1)  # [L, N]
+            if needle_weight:
+                mass = mass.clamp(min=0) / mass.clamp(min=0).sum(dim=1, keepdim=True).clamp(min=1e-12)
+                needle = record["answer_blocks"].long()
+                needle = needle[needle < n]
+                if len(needle):
+                    mass[:, needle] += needle_weight / len(needle)
             pinned = torch.zeros(n, dtype=torch.bool)
             pinned[: int(record["sink_blocks"])] = True
             pinned[n - 1] = True
