@@ -545,3 +545,32 @@ def test_a_prefetch_decided_at_the_question_is_read_by_the_first_answer_token(ti
     assert prefetches > 0 and (tier[:, 2] == Tier.DEVICE).all() and (mass[:, 2] > 0).all()
     (tier, mass), prefetches = seen[False]
     assert prefetches == 0 and (tier[:, 2] == Tier.HOST).all() and (mass[:, 2] == 0).all()
+
+
+def test_collect_records_blind_decisions_with_a_teacher_and_the_needle_and_resumes(smollm2, tmp_path):
+    from eval.tasks import generate
+    from eval.tasks.prompt import answer_positions
+    from kvgym.envs.decisions import collect
+
+    calls = []
+
+    def teacher(view):
+        calls.append(view.num_blocks)
+        return view.acc_mass_heads.clone()
+
+    args = (smollm2.model, smollm2.tokenizer, ["passkey"], [1024], 1, 5, tmp_path)
+    paths = collect(*args, blind=True, blind_only=True, teacher=("acc", teacher), max_new_tokens=4, log=lambda _: None)
+    assert [p.name for p in paths] == ["passkey_1024_s5_0_blind_acc.pt"] and sorted(tmp_path.iterdir()) == paths
+    record = torch.load(paths[0], weights_only=True)
+    assert record["protocol"] == "oneshot" and record["teacher_heads"].shape == record["future_heads"].shape
+    sample = generate("passkey", smollm2.tokenizer, 1024, seed=5, index=0)
+    needle = sorted({p // 16 for p in answer_positions(smollm2.tokenizer, sample)})
+    assert record["answer_blocks"].tolist() == needle and needle
+    # a file of an older kvgym (no answer_blocks) gets them on the next run, without recomputing anything
+    torch.save({k: v for k, v in record.items() if k != "answer_blocks"}, paths[0])
+    collect(*args, blind=True, blind_only=True, teacher=("acc", teacher), max_new_tokens=4, log=lambda _: None)
+    again = torch.load(paths[0], weights_only=True)
+    assert len(calls) == 1 and again["answer_blocks"].tolist() == needle
+    assert torch.equal(again["teacher_heads"], record["teacher_heads"])
+    with pytest.raises(ValueError, match="blind"):
+        collect(*args, blind_only=True)

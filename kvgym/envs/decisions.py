@@ -216,7 +216,8 @@ def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed
                     _save({**blind_record, "task": task, "length": length, "seed": seed, "index": index, **needle},
                           blind_path)
                     record = record or blind_record
-                log(f"{path.name}: {record['features'].shape[1]} blocks, {time.perf_counter() - start:.1f} s")
+                made = f"{record['features'].shape[1]} blocks" if record is not None else "answer blocks added"
+                log(f"{path.stem}: {made}, {time.perf_counter() - start:.1f} s")
     return paths
 
 
