@@ -574,3 +574,13 @@ def test_collect_records_blind_decisions_with_a_teacher_and_the_needle_and_resum
     assert torch.equal(again["teacher_heads"], record["teacher_heads"])
     with pytest.raises(ValueError, match="blind"):
         collect(*args, blind_only=True)
+
+
+def test_the_shipped_blind_rankers_load_and_say_what_they_were_trained_on():
+    from pathlib import Path
+
+    policies = Path(__file__).resolve().parents[1] / "policies"
+    for name, needle_weight in (("ranker_blind_smollm2.pt", 1.0), ("ranker_blind_kvzip_only_smollm2.pt", 0.0)):
+        _, summary = load_ranker(policies / name)
+        assert summary["target"] == "teacher" and summary["needle_weight"] == needle_weight, name
+        assert summary["train_samples"] == 50 and summary["validation_samples"] == 15
