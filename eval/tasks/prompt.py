@@ -35,18 +35,26 @@ def uses_chat(tokenizer, sample, chat: bool) -> bool:
     return bool(chat) and sample.metric != "kl" and bool(getattr(tokenizer, "chat_template", None))
 
 
-def _split_ids(tokenizer, text: str, boundary: int, special: bool) -> tuple[list[int], int]:
-    """Ids of ``text`` and the index of the first token that reaches past character ``boundary``."""
+def _encode_with_offsets(tokenizer, text: str, special: bool) -> tuple[list[int], list] | None:
+    """Ids of ``text`` and each token's character span; None for a tokenizer that gives no offsets (a slow one)."""
     try:
         encoded = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
         offsets = encoded["offset_mapping"]
         if len(offsets) != len(encoded["input_ids"]):
             raise ValueError("no offsets")
-    except (NotImplementedError, KeyError, TypeError, ValueError):  # a slow tokenizer: no offsets
+    except (NotImplementedError, KeyError, TypeError, ValueError):
+        return None
+    return list(encoded["input_ids"]), offsets
+
+
+def _split_ids(tokenizer, text: str, boundary: int, special: bool) -> tuple[list[int], int]:
+    """Ids of ``text`` and the index of the first token that reaches past character ``boundary``."""
+    encoded = _encode_with_offsets(tokenizer, text, special)
+    if encoded is None:  # a slow tokenizer: no offsets
         ids = encode(tokenizer, text, special)
         head = encode(tokenizer, text[:boundary], special)
         return ids, len(head) if ids[: len(head)] == head else max(len(head) - 1, 1)
-    ids = list(encoded["input_ids"])
+    ids, offsets = encoded
     # the first token holding any character past the boundary (a token straddling it belongs to the question)
     end = next((i for i, (start, stop) in enumerate(offsets) if stop > boundary and stop > start), len(ids))
     return ids, max(end, 1)
@@ -56,16 +64,22 @@ def _render(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def build_prompt(tokenizer, sample, chat: bool = True) -> Prompt:
-    """The sample's ``Prompt`` (see the module docstring)."""
+def _prompt_text(tokenizer, sample, chat: bool) -> tuple[str, int, bool]:
+    """The text ``build_prompt`` tokenises (the answer prefix included), where the sample's input starts in it, and
+    whether the tokenizer adds its special tokens (not to a rendered chat, which has them)."""
     if uses_chat(tokenizer, sample, chat):
         rendered = _render(tokenizer, [{"role": "user", "content": sample.input}])
         where = rendered.find(sample.input)
         if where < 0:
             raise ValueError(f"sample {sample.task}/{sample.index}: the chat template does not keep the input verbatim")
-        ids, context_end = _split_ids(tokenizer, rendered + sample.answer_prefix, where + len(sample.context), False)
-    else:
-        ids, context_end = _split_ids(tokenizer, sample.input + sample.answer_prefix, len(sample.context), True)
+        return rendered + sample.answer_prefix, where, False
+    return sample.input + sample.answer_prefix, 0, True
+
+
+def build_prompt(tokenizer, sample, chat: bool = True) -> Prompt:
+    """The sample's ``Prompt`` (see the module docstring)."""
+    text, where, special = _prompt_text(tokenizer, sample, chat)
+    ids, context_end = _split_ids(tokenizer, text, where + len(sample.context), special)
     return Prompt(ids, context_end=min(context_end, len(ids)), turns=turn_ids(tokenizer, sample, chat))
 
 
@@ -73,18 +87,13 @@ def answer_positions(tokenizer, sample, chat: bool = True) -> list[int]:
     """Positions, in ``build_prompt(tokenizer, sample, chat)``'s ids, of the context tokens that hold a gold
     answer's characters, at every place the context states it (the needle of a retrieval task); empty when no
     gold answer occurs in the context, or the tokenizer gives no character offsets."""
-    if uses_chat(tokenizer, sample, chat):
-        text = _render(tokenizer, [{"role": "user", "content": sample.input}]) + sample.answer_prefix
-        where, special = text.find(sample.input), False
-    else:
-        text, where, special = sample.input + sample.answer_prefix, 0, True
-    try:
-        offsets = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)["offset_mapping"]
-    except (NotImplementedError, KeyError, TypeError, ValueError):  # a slow tokenizer: no offsets
+    text, where, special = _prompt_text(tokenizer, sample, chat)
+    encoded = _encode_with_offsets(tokenizer, text, special)
+    if encoded is None:
         return []
     spans = [(where + found.start(), where + found.end()) for answer in sample.outputs if answer
              for found in re.finditer(re.escape(answer), sample.context)]
-    return [i for i, (start, stop) in enumerate(offsets) if any(start < b and stop > a for a, b in spans)]
+    return [i for i, (start, stop) in enumerate(encoded[1]) if any(start < b and stop > a for a, b in spans)]
 
 
 def turn_ids(tokenizer, sample, chat: bool = True) -> list[list[int]]:
