@@ -500,6 +500,13 @@ def test_a_blind_ranker_makes_only_the_question_blind_compressions(tiny_model, t
     assert not np.array_equal(alone.scores(views["compress", False])[0], blind_alone.scores(views["compress", False])[0])
     with pytest.raises(PolicyFileError, match="does not exist"):
         RankerController(str(main), blind=str(tmp_path / "missing.pt"))
+    # blind_prefill: the blind file also makes a streamed prefill's question-blind decisions, and nothing else
+    streaming = RankerController(str(main), blind=str(blind_file), blind_prefill=True)
+    for (phase, read), view in views.items():
+        expected = blind_alone if phase in ("compress", "prefill") and not read else alone
+        assert np.array_equal(streaming.scores(view)[0], expected.scores(view)[0]), (phase, read)
+    with pytest.raises(ValueError, match="blind_prefill"):
+        RankerController(str(main), blind_prefill=True)
 
 
 def test_bench_ranker_times_every_part_of_a_decision(tiny_model, tmp_path):

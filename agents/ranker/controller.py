@@ -2,10 +2,12 @@
 layer (``kvgym.envs.ranking.policy_features``) and keeps each layer's top-b on device (``keep_top``): it evicts,
 merges, prefetches and keeps by itself, with no budget fallback left to act.
 
-Parameters (``ranker:PATH,stay=2,blind_phase=prefill,blind=PATH``): ``merge``, ``stay`` (hysteresis),
-``blind_phase`` (how a question-blind one-shot compression is presented, see ``CacheView.question_read``) and
-``blind``: a second ranker file that makes the question-blind one-shot compressions instead (one trained for
-them, e.g. on KVzip's scores: `kvgym ranker train --target teacher`); every other decision stays ``PATH``'s."""
+Parameters (``ranker:PATH,stay=2,blind_phase=prefill,blind=PATH,blind_prefill=true``): ``merge``, ``stay``
+(hysteresis), ``blind_phase`` (how a question-blind one-shot compression is presented, see
+``CacheView.question_read``), ``blind``: a second ranker file that makes the question-blind one-shot compressions
+instead (one trained for them, e.g. on KVzip's scores: `kvgym ranker train --target teacher`), and
+``blind_prefill``: it also makes the question-blind decisions of a streamed prefill; every other decision stays
+``PATH``'s."""
 
 from __future__ import annotations
 
@@ -29,18 +31,22 @@ class RankerController:
     # read (``oneshot-question``); "compress" gives the features as recorded
     blind_phase: str = "prefill"
     blind: str = ""  # a ranker file for the question-blind one-shot compressions ("": PATH's decides them too)
+    blind_prefill: bool = False  # the blind file also decides a streamed prefill's decisions (question not read)
     _model: object = field(default=None, init=False, repr=False)
     _blind_model: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         check_blind_phase(self.blind_phase)  # at construction, not at the first decision
+        if self.blind_prefill and not self.blind:
+            raise ValueError("ranker: blind_prefill=true needs a blind file (blind=PATH) to make those decisions")
         model, self.summary = load_ranker(self.path)
         self._model = model.inference()
         self._blind_model = load_ranker(self.blind)[0].inference() if self.blind else self._model
 
     def scores(self, view: CacheView) -> tuple[np.ndarray, np.ndarray]:
         """``[L, N]`` keep scores and merge logits of every block."""
-        blind = view.phase == "compress" and not view.question_read
+        blind_phases = ("compress", "prefill") if self.blind_prefill else ("compress",)
+        blind = view.phase in blind_phases and not view.question_read
         return (self._blind_model if blind else self._model)(policy_features(view, self.blind_phase))
 
     def decide(self, view: CacheView) -> list[Decision]:
