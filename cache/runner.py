@@ -23,6 +23,11 @@ first answer token is computed on the cache the controller decided. Protocols (`
 - ``multiturn``: streaming over the context and the first question, then each answer is decoded (greedy,
   until EOS or ``max_new_tokens``) before the next turn's tokens arrive (the previous answer's last token
   first); a ``question`` decision point after each turn's question; the budget holds across turns.
+- A multi-turn prompt under ``oneshot`` / ``oneshot-question``: compressed **once** (as above), then the turns
+  follow as in ``multiturn`` on the compressed cache — which grows, so no decision comes after the compression
+  (``decode_budget="fixed"``: the budget holds and the later turns' decision points run as in ``multiturn``).
+  This is the "compress once, ask many questions" use of query-agnostic compression (kvpress's pipeline takes
+  a list of questions for one compressed context; here they come as one conversation).
 
 At each decision point the controller decides, its decisions are applied, then the cache enforces every
 layer's budget with its fallback rule; the evictions that rule had to make are counted as fallbacks.
@@ -314,8 +319,9 @@ class Runner:
             if prompt.turns:
                 raise ValueError("forced_tokens: teacher forcing takes a single-turn prompt")
             max_new_tokens, stop_at_eos = len(forced_tokens), False
-        if prompt.turns and protocol != "multiturn":
-            raise ValueError(f"--protocol {protocol}: the sample has {len(prompt.turns) + 1} turns; use --protocol multiturn")
+        if prompt.turns and protocol == "streaming":
+            raise ValueError(f"--protocol {protocol}: the sample has {len(prompt.turns) + 1} turns; use --protocol "
+                             "multiturn (streamed, the budget held across turns) or oneshot (compressed once)")
         total = self._check_length(prompt, max_new_tokens)
         budget = budget_blocks(self.budget, prompt.context_tokens, self.cache_config.block_size,
                                self.model.config.num_hidden_layers, self.cache_config.sink_blocks + 1)

@@ -21,8 +21,9 @@ Design:
   ``oneshot``, ``oneshot-question`` or ``multiturn``. In the one-shot protocols a sample's dense prefill is
   computed once and every run (the full cache's included) continues from its own copy of it
   (``share_prefill=False`` recomputes it per run: same results, for the throughput benchmark).
-- **Multi-turn** samples are answered turn by turn (``multiturn`` protocol); ``turn_scores`` holds each
-  turn's score and ``score`` their mean.
+- **Multi-turn** samples are answered turn by turn (``multiturn``: streamed under one budget; ``oneshot`` /
+  ``oneshot-question``: compressed once, then the turns on the grown cache); ``turn_scores`` holds each turn's
+  score and ``score`` their mean. ``streaming`` refuses them.
 - **Runs.** For each sample the full cache runs first (the reference: it calibrates accuracy and gives the
   reference logits), then every controller at every budget (``full`` once, recorded with budget 1.0; it is
   always run, whether or not ``controllers`` names it). A fresh controller is built per run from its
@@ -519,9 +520,9 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
 
         custom += load_samples(dataset, split=dataset_split, limit=n)
     for sample in custom:
-        if sample.turns and protocol != "multiturn":
+        if sample.turns and protocol == "streaming":
             raise ValueError(f"sample {sample.task}/{sample.index} has {len(sample.turns) + 1} turns: "
-                             "use --protocol multiturn")
+                             "use --protocol multiturn (or oneshot: compressed once)")
         sample.length = length_bucket(len(prompt_ids(tokenizer, sample, chat)))
         work.append(_Work(sample.task, sample.length, sample.index, sample))
 

@@ -208,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--protocol", default="streaming", choices=PROTOCOL_CHOICES,
                             help="streaming (chunked prefill with decisions, a decision after the question, bounded "
                                  "memory), oneshot (kvpress: dense prefill of the context, one decision, the cache "
-                                 "grows), oneshot-question (the question inside the dense prefill), multiturn")
+                                 "grows; a multi-turn sample is compressed once, then its turns follow), oneshot-question "
+                                 "(the question inside the dense prefill), multiturn (streamed, the budget held "
+                                 "across turns)")
     evaluation.add_argument("--decode-budget", default="grow", choices=("grow", "fixed"),
                             help="one-shot protocols: the cache grows after the decision (kvpress), or keeps the budget")
     evaluation.add_argument("--dataset", default=None,

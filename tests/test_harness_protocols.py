@@ -58,9 +58,10 @@ def test_shared_prefills_give_the_same_records(tiny_model, tmp_path):
     assert a == b
 
 
-def test_multiturn_scores_every_turn(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("protocol", ["multiturn", "oneshot"])
+def test_multiturn_scores_every_turn(tiny_model, tmp_path, monkeypatch, protocol):
     monkeypatch.setattr(harness, "score_sample", fake_score)
-    rows = run(tiny_model, tmp_path, tasks=["fake_turns"], protocol="multiturn", budgets=[0.5])
+    rows = run(tiny_model, tmp_path, tasks=["fake_turns"], protocol=protocol, budgets=[0.5])
     recs = records(tmp_path)
     assert all(len(r["turn_scores"]) == 3 and len(r["text"]) == 3 for r in recs)
     assert all(abs(r["score"] - sum(r["turn_scores"]) / 3) < 1e-9 for r in recs)

@@ -201,3 +201,35 @@ def test_clone_is_independent_and_continues_identically(tiny_model):
         assert not torch.allclose(c, d, atol=1e-4)
     with pytest.raises(ValueError, match="offloaded"):
         copy.clone()
+
+
+@pytest.mark.parametrize("protocol", ["oneshot", "oneshot-question"])
+def test_a_multi_turn_prompt_under_oneshot_is_compressed_once_then_answered_turn_by_turn(tiny_model, protocol):
+    ids, turns = ids_of(70), [ids_of(6, seed=5), ids_of(9, seed=6)]
+    prompt = Prompt(ids, context_end=60, turns=turns)
+    recorder = Recorder(evict_unpinned_at("compress"))
+
+    def runner(controller, **kwargs):
+        return Runner(tiny_model, cache_config=config(), controller=controller, budget=0.25, prefill_chunk=16,
+                      protocol=protocol, **kwargs)
+
+    result = runner(recorder).run(prompt, max_new_tokens=5, stop_at_eos=False, keep_logits=True)
+    assert [len(t) for t in result.turn_tokens] == [5, 5, 5] and len(result.turn_logits) == 3
+    assert [call[0] for call in recorder.calls] == ["compress"]  # the cache grows after it: no other decision
+    # the first turn is the single-turn run of the same prompt (later turns cannot change it)
+    single = runner(Recorder(evict_unpinned_at("compress"))).run(Prompt(ids, context_end=60), max_new_tokens=5,
+                                                                  stop_at_eos=False)
+    assert result.turn_tokens[0] == single.new_tokens
+    # a shared dense prefill gives the same turns
+    shared = runner(None).dense_prefill(prompt, 5)
+    again = runner(Recorder(evict_unpinned_at("compress"))).run(prompt, max_new_tokens=5, stop_at_eos=False,
+                                                                 shared=shared)
+    assert again.turn_tokens == result.turn_tokens
+    # decode_budget="fixed": the budget holds, and every later turn's question is a decision point
+    fixed_recorder = Recorder()
+    fixed = runner(fixed_recorder, decode_budget="fixed").run(prompt, max_new_tokens=5, stop_at_eos=False)
+    assert [phase for phase, *_ in fixed_recorder.calls].count("question") == 2
+    assert max(fixed.blocks_per_tier["device"]) <= math.ceil(0.25 * 60 / BLOCK)
+    # negative control: the streamed protocol still refuses a multi-turn prompt
+    with pytest.raises(ValueError, match="--protocol multiturn"):
+        Runner(tiny_model, cache_config=config(), budget=0.25, protocol="streaming").run(prompt, max_new_tokens=2)
