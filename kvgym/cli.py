@@ -310,6 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_train.add_argument("--out", type=Path, required=True,
                               help="run folder: ranker.pt, warm_start.pt, metrics.jsonl, tensorboard/, summary.json")
 
+    ranker_regret = ranker_kinds.add_parser(
+        "regret", help="ranker files and single-feature heuristics scored on held-out decision points: regret "
+                       "per phase and budget, and the gap to the oracle each closes against a reference (Markdown, JSON)")
+    ranker_regret.add_argument("--records", type=Path, required=True,
+                               help="a folder from `kvgym ranker collect` that no training or checkpoint choice used")
+    ranker_regret.add_argument("--policies", required=True,
+                               help="NAME=PATH pairs, comma-separated (ranker files), e.g. "
+                                    "warm=runs/a/warm_start.pt,pg=runs/a/ranker.pt")
+    ranker_regret.add_argument("--reference", default=None, help="the NAME compared against (default: the first)")
+    ranker_regret.add_argument("--json", type=Path, default=None, help="also write the report here")
+
     ranker_fidelity = ranker_kinds.add_parser(
         "fidelity", help="replay vs live: per episode, Spearman of replay regret and live KL over >= 8 rankings (JSON)")
     _add_model_args(ranker_fidelity)
@@ -603,13 +614,8 @@ def cmd_ranker(args) -> int:
         from agents.ranker.train import train
         from kvgym.envs.decisions import load_records
 
-        sets = {}
-        for name in ("train", "validation"):
-            folder = getattr(args, name)
-            paths = sorted(folder.glob("*.pt")) if folder.is_dir() else []
-            if not paths:
-                raise ValueError(f"--{name} {folder}: no decision points (.pt) there; make them with `kvgym ranker collect`")
-            sets[name] = load_records(paths)
+        sets = {name: load_records(_decision_files(getattr(args, name), f"--{name}"))
+                for name in ("train", "validation")}
         summary = train(sets["train"], sets["validation"], args.out, warm_epochs=args.warm_epochs,
                         rl_epochs=args.rl_epochs, seed=args.seed, target=args.target,
                         needle_weight=args.needle_weight)
@@ -617,6 +623,8 @@ def cmd_ranker(args) -> int:
         return 0
     if args.ranker == "fidelity":
         return _ranker_fidelity(args)
+    if args.ranker == "regret":
+        return _ranker_regret(args)
     from agents.registry import make_controller
     from cache.models import load_model
     from kvgym.envs.decisions import collect
@@ -635,6 +643,44 @@ def cmd_ranker(args) -> int:
                     streaming_budgets=tuple(args.streaming_budgets), host_blocks=args.host_blocks, blind=args.blind,
                     teacher=teacher, blind_only=args.blind_only)
     print(f"{len(paths)} decision points in {args.out}")
+    return 0
+
+
+def _decision_files(folder: Path, option: str) -> list[Path]:
+    paths = sorted(folder.glob("*.pt")) if folder.is_dir() else []
+    if not paths:
+        raise ValueError(f"{option} {folder}: no decision points (.pt) there; make them with `kvgym ranker collect`")
+    return paths
+
+
+def _ranker_regret(args) -> int:
+    import torch
+
+    from agents.ranker.model import load_ranker
+    from agents.ranker.train import HEURISTIC_COLUMNS
+    from eval.regret_compare import compare_rankings, comparison_md
+    from kvgym.envs.decisions import Decisions, load_records
+    from kvgym.envs.ranking import RANK_FEATURES
+
+    files = {}
+    for pair in (p.strip() for p in args.policies.split(",") if p.strip()):
+        name, _, path = pair.partition("=")
+        if not name or not path:
+            raise ValueError(f"--policies: expected NAME=PATH pairs, got {pair!r}")
+        files[name] = Path(path)
+    decisions = Decisions(load_records(_decision_files(args.records, "--records")))
+    rankings = {}
+    with torch.no_grad():
+        for name, path in files.items():
+            rankings[name] = load_ranker(path)[0](decisions.features)[0]
+    rankings |= {name: decisions.features[..., RANK_FEATURES.index(column)]
+                 for name, column in HEURISTIC_COLUMNS.items()}
+    report = compare_rankings(decisions, rankings, args.reference or next(iter(files)))
+    report["files"] = {name: str(path) for name, path in files.items()}
+    print(comparison_md(report), end="")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from agents.ranker.model import BlockScorer, save_ranker
-from cache.controller import PHASES
 from kvgym.envs.decisions import BUDGETS, Decisions
 from kvgym.envs.ranking import RANK_FEATURES
 
@@ -59,15 +58,7 @@ def regret_table(decisions: Decisions, model: BlockScorer | None) -> dict[str, d
     if model is not None:
         with torch.no_grad():
             methods = {"ranker": model(decisions.features)[0], **methods}
-    table = {}
-    for name, scores in methods.items():
-        regret = decisions.regret(scores)
-        table[name] = {str(b): float(regret[decisions.budget == b].mean()) for b in BUDGETS
-                       if (decisions.budget == b).any()}
-        table[name] |= {phase: float(regret[decisions.phase == i].mean()) for i, phase in enumerate(PHASES)
-                        if (decisions.phase == i).any()}
-        table[name]["all"] = float(regret.mean())
-    return table
+    return {name: decisions.regret_by(scores) for name, scores in methods.items()}
 
 
 def listwise_loss(scores: torch.Tensor, mass: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:

@@ -241,7 +241,9 @@ class Decisions:
     target is normalised to sum 1 and its ``answer_blocks`` share w more among them: the needle is worth w times
     the rest of the layer), ``candidates``
     ``[R, N]`` (valid, not pinned), ``room`` ``[R]`` (blocks kept besides the pinned), ``budget`` ``[R]``,
-    ``phase`` ``[R]`` (the decision point's phase, an index into ``PHASES``: ``compress`` for one-shot records)."""
+    ``phase`` ``[R]`` (the decision point's phase, an index into ``PHASES``: ``compress`` for one-shot records),
+    ``sample`` ``[R]`` (which task sample the row came from, numbered in order of appearance: a sample's
+    one-shot record and its streaming states share it, so statistics can resample whole samples)."""
 
     def __init__(self, records: list[dict], budgets=BUDGETS, target: str = "future", needle_weight: float = 0.0):
         if target not in TARGETS:
@@ -256,8 +258,10 @@ class Decisions:
             raise ValueError(f"Decisions target {target!r}: {untaught} of {len(records)} records have no "
                              f"{TARGETS[target]} (collect them with a teacher: `kvgym ranker collect --blind --teacher`)")
         width = max(int(r["features"].shape[1]) for r in records)
-        rows = {"features": [], "mass": [], "candidates": [], "room": [], "budget": [], "phase": []}
+        rows = {"features": [], "mass": [], "candidates": [], "room": [], "budget": [], "phase": [], "sample": []}
+        samples: dict[tuple, int] = {}
         for record in records:
+            sample = samples.setdefault(tuple(record.get(k) for k in ("task", "length", "seed", "index")), len(samples))
             features = record["features"].float()
             num_layers, n, _ = features.shape
             mass = record[TARGETS[target]].float().amax(dim=1)  # [L, N]
@@ -285,18 +289,29 @@ class Decisions:
                 rows["room"].append((blocks - (valid & pinned).sum(dim=1)).clamp(min=0))
                 rows["budget"].append(torch.full((num_layers,), fraction))
                 rows["phase"].append(torch.full((num_layers,), PHASES.index(record.get("phase", "compress"))))
+                rows["sample"].append(torch.full((num_layers,), sample))
         self.features = torch.cat(rows["features"])
         self.mass = torch.cat(rows["mass"])
         self.candidates = torch.cat(rows["candidates"])
         self.room = torch.cat(rows["room"])
         self.budget = torch.cat(rows["budget"])
         self.phase = torch.cat(rows["phase"])  # index into cache.controller.PHASES
+        self.sample = torch.cat(rows["sample"])
 
     def __len__(self) -> int:
         return int(self.room.shape[0])
 
     def regret(self, scores: torch.Tensor, rows=slice(None)) -> torch.Tensor:
         return ranking_regret(scores, self.mass[rows], self.room[rows], self.candidates[rows])
+
+    def regret_by(self, scores: torch.Tensor) -> dict[str, float]:
+        """Mean regret of the deterministic top-b of ``scores`` per budget, per phase and over all rows."""
+        regret = self.regret(scores)
+        table = {str(b): float(regret[self.budget == b].mean()) for b in BUDGETS if (self.budget == b).any()}
+        table |= {phase: float(regret[self.phase == i].mean()) for i, phase in enumerate(PHASES)
+                  if (self.phase == i).any()}
+        table["all"] = float(regret.mean())
+        return table
 
 
 def load_records(paths: list[Path]) -> list[dict]:
