@@ -288,6 +288,28 @@ def weight_bytes_per_token(model) -> int:
 
 
 @torch.no_grad()
+def measure_matvec(model, repeats: int = 7) -> dict:
+    """The weight mat-vecs of one decode step, alone: ``F.linear`` of a one-token input through every
+    ``nn.Linear`` of ``model`` (the output head included), one after the other, timed as a whole (median of
+    ``repeats`` sweeps). What this torch build's kernels need for the step's bulk of bytes, with no model code
+    around them; ``gbps`` = those weights' bytes over that time, beside the bandwidth test's figure."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(1, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in linears]
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    for m, x in zip(linears, inputs, strict=True):  # warm up
+        torch.nn.functional.linear(x, m.weight, m.bias)
+    sweeps = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for m, x in zip(linears, inputs, strict=True):
+            torch.nn.functional.linear(x, m.weight, m.bias)
+        sweeps.append(time.perf_counter() - start)
+    seconds = statistics.median(sweeps)
+    return {"ms": round(1000 * seconds, 2), "gbps": round(weight_bytes / seconds / 1e9, 2), "linears": len(linears),
+            "weight_bytes": weight_bytes, "repeats": repeats}
+
+
+@torch.no_grad()
 def bench_roofline(model, tokenizer, text: str, contexts: list[int], budget: float = 0.25, decode_steps: int = 16,
                    bandwidth_mb: int = 512, seed: int = 0, progress=None) -> dict:
     """Decode time against the memory roofline. The floor of one decode step is the bytes it must read
@@ -297,7 +319,11 @@ def bench_roofline(model, tokenizer, text: str, contexts: list[int], budget: flo
     the median forward ms/token, the floor ms and ``roofline_fraction`` = floor ÷ measured (1 = at the
     roofline). The budgeted run's decision time is reported apart (``decision_ms``). On a shared machine the
     bandwidth moves with the load: it is measured right before and right after each context's decode steps,
-    and that context's floor uses the median of those measurements (all of them are in the report)."""
+    and that context's floor uses the median of those measurements (all of them are in the report).
+
+    Beside it, ``matvec`` (``measure_matvec``, before and after each context): the step's weight mat-vecs
+    alone, through this torch build's kernels; each row's ``matvec_fraction`` = their time ÷ the measured step
+    (the share of the step the bare kernels already need: a step can be no faster than its mat-vecs)."""
     from cache.runner import budget_blocks
 
     device = next(model.parameters()).device
@@ -312,11 +338,13 @@ def bench_roofline(model, tokenizer, text: str, contexts: list[int], budget: flo
         ids = prose_token_ids(tokenizer, context, text).to(device)
         budget_list = budget_blocks(budget, context, 16, num_layers, 2)
         runs = _prefilled_runs(model, ids, total, budget_list, ["full", "budgeted"])
-        before = measure_bandwidth(bandwidth_mb, repeats=5)
+        before, matvec_before = measure_bandwidth(bandwidth_mb, repeats=5), measure_matvec(model)
         _decode_interleaved(model, runs, decode_steps, budget_list, rng)
-        after = measure_bandwidth(bandwidth_mb, repeats=5)
+        after, matvec_after = measure_bandwidth(bandwidth_mb, repeats=5), measure_matvec(model)
         gbps = statistics.median([before["read_gbps"], after["read_gbps"]])
-        bandwidths.append({"context": context, "before": before, "after": after, "read_gbps_used": gbps})
+        matvec_ms = statistics.median([matvec_before["ms"], matvec_after["ms"]])
+        bandwidths.append({"context": context, "before": before, "after": after, "read_gbps_used": gbps,
+                           "matvec_before": matvec_before, "matvec_after": matvec_after, "matvec_ms_used": matvec_ms})
         if progress is not None:
             progress(bandwidths[-1])
         measured = {}
@@ -327,7 +355,8 @@ def bench_roofline(model, tokenizer, text: str, contexts: list[int], budget: flo
             measured[name] = (forward_ms, floor_ms)
             row = {"context": context, "cache": name, "ms_per_token": round(forward_ms, 2), "read_gbps": gbps,
                    "weight_bytes": weights, "kv_bytes": int(kv), "floor_bytes": int(weights + kv),
-                   "floor_ms": round(floor_ms, 2), "roofline_fraction": round(floor_ms / forward_ms, 3)}
+                   "floor_ms": round(floor_ms, 2), "roofline_fraction": round(floor_ms / forward_ms, 3),
+                   "matvec_ms": matvec_ms, "matvec_fraction": round(matvec_ms / forward_ms, 3)}
             if name == "budgeted":
                 row["budget"], row["budget_blocks_per_layer"] = budget, budget_list[0]
                 row["decision_ms"] = round(statistics.median(

@@ -51,9 +51,8 @@ def compare_rankings(decisions: Decisions, rankings: dict[str, torch.Tensor], re
 
 def comparison_md(report: dict) -> str:
     """The report of ``compare_rankings`` as two Markdown tables."""
-    columns = [c for c in ("compress", *PHASES, *map(str, BUDGETS), "all")
-               if c in next(iter(report["regret"].values()))]
-    columns = list(dict.fromkeys(columns))
+    first = next(iter(report["regret"].values()))
+    columns = [c for c in (*PHASES, *map(str, BUDGETS), "all") if c in first]
     lines = ["| ranking | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, table in sorted(report["regret"].items(), key=lambda item: item[1]["all"]):
         lines.append(f"| {name} | " + " | ".join(f"{table[c]:.4f}" for c in columns) + " |")

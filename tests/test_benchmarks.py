@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from cache.benchmark import bench_cache, bench_ops, bench_roofline, weight_bytes_per_token
@@ -64,3 +65,11 @@ def test_bench_roofline_reports_the_floor_from_weights_and_the_kv_actually_read(
         assert abs(row["floor_ms"] - expected_ms) <= 0.01 + 0.01 * expected_ms
         assert row["roofline_fraction"] > 0
     assert rows[(256, "budgeted")]["kv_bytes"] < rows[(256, "full")]["kv_bytes"]
+    for band in report["bandwidth"]:
+        matvec = band["matvec_before"]
+        assert matvec["linears"] == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the output head
+        assert matvec["weight_bytes"] == sum(m.weight.numel() * 4 for m in tiny_model.modules()
+                                             if isinstance(m, torch.nn.Linear))
+        assert matvec["ms"] > 0 and matvec["gbps"] > 0
+    for row in rows.values():
+        assert row["matvec_fraction"] == pytest.approx(row["matvec_ms"] / row["ms_per_token"], rel=0.02, abs=0.01)
