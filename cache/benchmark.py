@@ -342,7 +342,7 @@ def bench_roofline(model, tokenizer, text: str, contexts: list[int], budget: flo
         _decode_interleaved(model, runs, decode_steps, budget_list, rng)
         after, matvec_after = measure_bandwidth(bandwidth_mb, repeats=5), measure_matvec(model)
         gbps = statistics.median([before["read_gbps"], after["read_gbps"]])
-        matvec_ms = statistics.median([matvec_before["ms"], matvec_after["ms"]])
+        matvec_ms = round(statistics.median([matvec_before["ms"], matvec_after["ms"]]), 2)
         bandwidths.append({"context": context, "before": before, "after": after, "read_gbps_used": gbps,
                            "matvec_before": matvec_before, "matvec_after": matvec_after, "matvec_ms_used": matvec_ms})
         if progress is not None:

@@ -657,10 +657,9 @@ def _ranker_regret(args) -> int:
     import torch
 
     from agents.ranker.model import load_ranker
-    from agents.ranker.train import HEURISTIC_COLUMNS
+    from agents.ranker.train import heuristic_scores
     from eval.regret_compare import compare_rankings, comparison_md
     from kvgym.envs.decisions import Decisions, load_records
-    from kvgym.envs.ranking import RANK_FEATURES
 
     files = {}
     for pair in (p.strip() for p in args.policies.split(",") if p.strip()):
@@ -673,8 +672,7 @@ def _ranker_regret(args) -> int:
     with torch.no_grad():
         for name, path in files.items():
             rankings[name] = load_ranker(path)[0](decisions.features)[0]
-    rankings |= {name: decisions.features[..., RANK_FEATURES.index(column)]
-                 for name, column in HEURISTIC_COLUMNS.items()}
+    rankings |= heuristic_scores(decisions)
     report = compare_rankings(decisions, rankings, args.reference or next(iter(files)))
     report["files"] = {name: str(path) for name, path in files.items()}
     print(comparison_md(report), end="")

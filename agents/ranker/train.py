@@ -49,12 +49,17 @@ HEURISTIC_COLUMNS = {
 }
 
 
+def heuristic_scores(decisions: Decisions) -> dict[str, torch.Tensor]:
+    """Each single heuristic feature of ``HEURISTIC_COLUMNS`` as keep scores ``[R, N]`` of ``decisions``."""
+    return {name: decisions.features[..., RANK_FEATURES.index(column)] for name, column in HEURISTIC_COLUMNS.items()}
+
+
 # ------------------------------------------------------------------------------------------------ train
 def regret_table(decisions: Decisions, model: BlockScorer | None) -> dict[str, dict[str, float]]:
     """Mean regret of the deterministic top-b per budget and per decision phase on ``decisions`` (phases:
     ``compress`` = one-shot, the others streaming states): ``model`` and each single heuristic feature of
     ``HEURISTIC_COLUMNS``."""
-    methods = {name: decisions.features[..., RANK_FEATURES.index(column)] for name, column in HEURISTIC_COLUMNS.items()}
+    methods = heuristic_scores(decisions)
     if model is not None:
         with torch.no_grad():
             methods = {"ranker": model(decisions.features)[0], **methods}
