@@ -8,6 +8,10 @@ decision point and teacher-forces the full cache's greedy answer through the com
 from the full cache's next-token distributions over the answer's positions. Both come from one dense prefill.
 Within each episode the two sides rank the policies; ``spearman`` measures their agreement (replay regret and
 live KL both fall as a policy gets better, so faithful replay gives +1).
+
+The replay side is computed for each target of ``REPLAY_TARGETS`` from the same live rows: ``replay_regret``
+(the future attention, the reward the ranker trains on) and ``replay_regret_future_value`` (the future attention
+times the blocks' value norms, ``kvgym.envs.decisions.target_heads``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from eval.harness import kl_divergence
 from eval.replay_compare import spearman
 from kvgym.envs.decisions import Decisions, decision_point
 from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top
+
+# each replay target of Decisions and the row column its regret goes in
+REPLAY_TARGETS = {"future": "replay_regret", "future_value": "replay_regret_future_value"}
 
 # single block features that are a heuristic's ranking (higher = keep)
 FEATURE_POLICIES = {
@@ -56,8 +63,9 @@ def feature_score(column: str):
 
 
 def random_score(seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    return lambda features: torch.rand(features.shape[:-1], generator=generator)
+    """A fixed random ranking: the same scores for every call on features of the same shape, so the replay
+    and the live side (and each replay target) score the same ranking."""
+    return lambda features: torch.rand(features.shape[:-1], generator=torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()
@@ -72,27 +80,28 @@ def episode_table(model, prompt, policies: dict, budgets, max_new_tokens: int = 
     reference = runner.run(prompt, forced_tokens=answer, keep_logits=True, shared=shared).logits
     rows = []
     for budget in budgets:
-        decisions = Decisions([record], budgets=(budget,))
+        replays = {column: Decisions([record], budgets=(budget,), target=target) for target, column in REPLAY_TARGETS.items()}
         for name, score in policies.items():
-            regret = float(decisions.regret(score(decisions.features)).mean())
+            regrets = {column: float(decisions.regret(score(decisions.features)).mean()) for column, decisions in replays.items()}
             start = time.perf_counter()
             live = Runner(model, None, CacheConfig(block_size=block_size), controller=ScoredRanking(score),
                           budget=budget, protocol="oneshot-question").run(
                 prompt, forced_tokens=answer, keep_logits=True, shared=shared)
-            rows.append({"budget": budget, "policy": name, "replay_regret": regret,
+            rows.append({"budget": budget, "policy": name, **regrets,
                          "live_kl": float(kl_divergence(torch.stack(reference), torch.stack(live.logits)).mean()), "fallbacks": live.fallbacks,
                          "live_s": time.perf_counter() - start})
     return rows
 
 
-def fidelity_summary(rows: list[dict]) -> dict:
-    """Per episode (sample, budget): Spearman of replay regret vs live KL over the policies; their mean."""
+def fidelity_summary(rows: list[dict], replay: str = "replay_regret") -> dict:
+    """Per episode (sample, budget): Spearman of the ``replay`` column (a regret of ``REPLAY_TARGETS``) vs live
+    KL over the policies; their mean."""
     episodes = {}
     for row in rows:
         episodes.setdefault((row["sample"], row["budget"]), []).append(row)
     per_episode = []
     for (sample, budget), group in sorted(episodes.items()):
-        rho = spearman([r["replay_regret"] for r in group], [r["live_kl"] for r in group])
+        rho = spearman([r[replay] for r in group], [r["live_kl"] for r in group])
         per_episode.append({"sample": sample, "budget": budget, "policies": len(group), "spearman": rho})
     rhos = np.array([e["spearman"] for e in per_episode], np.float64)
     return {"episodes": per_episode, "mean_spearman": float(np.nanmean(rhos)) if len(rhos) else float("nan"),

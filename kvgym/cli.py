@@ -15,7 +15,7 @@ Subcommands:
   kvgym bench policy [options]     time per decision of a trained policy (direct path vs SB3 predict) (JSON)
   kvgym bench ranker [options]     ranking policy: ms per decision scoring every block, replay env steps/s (JSON)
   kvgym bench eval [options]       evaluation runs per hour with and without shared dense prefills (JSON)
-  kvgym ranker collect|train|fidelity  ranking policy: decision points (one-shot + streaming), training, replay vs live
+  kvgym ranker collect|train|live-train|regret|fidelity  ranking policy: decision points, training (oracle / live KL), held-out regret, replay vs live
   kvgym tensorboard [--logdir D]   TensorBoard on the training runs (offline)
   kvgym peer --samples S --peer P  kvgym's eval results beside kvpress's on the same samples (Markdown)
   kvgym compare --samples S --controller C  C vs every other controller on the same samples, paired CIs
@@ -321,6 +321,26 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_regret.add_argument("--reference", default=None, help="the NAME compared against (default: the first)")
     ranker_regret.add_argument("--json", type=Path, default=None, help="also write the report here")
 
+    ranker_live = ranker_kinds.add_parser(
+        "live-train", help="policy gradient on the live teacher-forced KL, from a ranker file (agents.ranker.live_train)")
+    _add_model_args(ranker_live)
+    ranker_live.add_argument("--start", type=Path, default=Path("policies/ranker_smollm2.pt"), help="the ranker file to start from")
+    ranker_live.add_argument("--tasks", default="passkey,niah_single,niah_multikey")
+    ranker_live.add_argument("--length", type=int, default=2048)
+    ranker_live.add_argument("--train-seed", type=int, default=101, help="harness seed of the training samples")
+    ranker_live.add_argument("--train-n", type=int, default=4, help="training samples per task")
+    ranker_live.add_argument("--validation-seed", type=int, default=102, help="harness seed of the samples that pick the epoch")
+    ranker_live.add_argument("--validation-n", type=int, default=2, help="validation samples per task")
+    ranker_live.add_argument("--budgets", type=parse_fraction_list, default=[0.125, 0.25])
+    ranker_live.add_argument("--epochs", type=int, default=3)
+    ranker_live.add_argument("--samples", type=int, default=8, help="rankings drawn per decision point")
+    ranker_live.add_argument("--lr", type=float, default=3e-4)
+    ranker_live.add_argument("--temperature", type=float, default=1.0, help="of the Plackett-Luce sampling")
+    ranker_live.add_argument("--seed", type=int, default=0)
+    ranker_live.add_argument("--no-chat", action="store_true")
+    ranker_live.add_argument("--out", type=Path, required=True,
+                             help="run folder: ranker.pt (best validation KL), metrics.jsonl, tensorboard/, summary.json")
+
     ranker_fidelity = ranker_kinds.add_parser(
         "fidelity", help="replay vs live: per episode, Spearman of replay regret and live KL over >= 8 rankings (JSON)")
     _add_model_args(ranker_fidelity)
@@ -623,6 +643,8 @@ def cmd_ranker(args) -> int:
         return 0
     if args.ranker == "fidelity":
         return _ranker_fidelity(args)
+    if args.ranker == "live-train":
+        return _ranker_live_train(args)
     if args.ranker == "regret":
         return _ranker_regret(args)
     from agents.registry import make_controller
@@ -688,6 +710,7 @@ def _ranker_fidelity(args) -> int:
     from eval.env_benchmark import write_report
     from eval.ranking_fidelity import (
         FEATURE_POLICIES,
+        REPLAY_TARGETS,
         episode_table,
         feature_score,
         fidelity_summary,
@@ -713,10 +736,28 @@ def _ranker_fidelity(args) -> int:
                                      max_new_tokens=min(sample.max_new_tokens, 24), eos_ids=eos):
                 rows.append({"sample": f"{task}/{index}", **row})
             print(f"{task}/{index}: {len(rows)} rows", flush=True)
-    summary = fidelity_summary(rows)
+    summaries = {target: fidelity_summary(rows, column) for target, column in REPLAY_TARGETS.items()}
     write_report({"model": args.model, "length": args.length, "seed": args.seed, "tasks": tasks,
-                  "summary": summary, "rows": rows}, args.json)
-    print(json.dumps({k: v for k, v in summary.items() if k != "episodes"}))
+                  "summary": summaries["future"], "summary_by_target": summaries, "rows": rows}, args.json)
+    print(json.dumps({target: {k: v for k, v in summary.items() if k != "episodes"} for target, summary in summaries.items()}))
+    return 0
+
+
+def _ranker_live_train(args) -> int:
+    from agents.ranker.live_train import live_points, train_live
+    from agents.ranker.model import load_ranker
+    from cache.models import load_model
+
+    tasks = checked_tasks(args.tasks)
+    load_ranker(args.start)  # a bad file is refused before the model loads
+    if args.train_seed == args.validation_seed:
+        raise ValueError(f"--validation-seed {args.validation_seed}: the validation samples must not be the training ones")
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    sets = {name: live_points(loaded.model, loaded.tokenizer, tasks, args.length, n, seed, chat=not args.no_chat)
+            for name, n, seed in (("train", args.train_n, args.train_seed), ("validation", args.validation_n, args.validation_seed))}
+    summary = train_live(sets["train"], sets["validation"], args.start, args.out, budgets=args.budgets, epochs=args.epochs,
+                         samples=args.samples, lr=args.lr, temperature=args.temperature, seed=args.seed)
+    print(json.dumps(summary["best"]), f"-> {args.out / 'ranker.pt'}")
     return 0
 
 

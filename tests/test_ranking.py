@@ -24,6 +24,7 @@ from kvgym.envs.decisions import (
     decision_point,
     load_records,
     streaming_state,
+    target_heads,
 )
 from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top, within_layer_rank
 from kvgym.envs.reward import ranking_regret
@@ -256,6 +257,39 @@ def test_future_attention_of_a_decision_point_matches_eager_attention(tiny_model
     # the features are the policy's: a question-blind compression shows the prefill phase
     shown = "phase_compress" if protocol == "oneshot-question" else "phase_prefill"
     assert (features[..., RANK_FEATURES.index(shown)] == 1).all()
+
+
+def test_value_norms_of_a_decision_point_match_dynamic_cache_and_weight_the_future_value_target(tiny_model):
+    """Independent reference: the values transformers' ``DynamicCache`` holds after the same prefill; the
+    ``future_value`` target is the future attention times its KV group's value norm (negative control: the
+    wrong group's norms differ)."""
+    from transformers import DynamicCache
+
+    from cache.models import tiny_random_llama
+
+    record = decision_point(tiny_model, Prompt(PROMPT[0].tolist(), context_end=150), max_new_tokens=4, block_size=16)
+    reference = tiny_random_llama()
+    dynamic = DynamicCache()
+    with torch.no_grad():
+        reference(PROMPT[:, :-1], cache=dynamic, use_cache=True)  # oneshot-question: all but the last token
+    n = record["future_heads"].shape[-1]
+    for layer in range(2):
+        values = dynamic.layers[layer].values[0]  # [kv_heads, T, head_dim]
+        per_token = torch.nn.functional.pad(values.norm(dim=-1), (0, n * 16 - values.shape[1]))
+        counts = torch.nn.functional.pad(torch.ones(values.shape[1]), (0, n * 16 - values.shape[1])).view(n, 16).sum(-1)
+        expected = per_token.view(-1, n, 16).sum(-1) / counts
+        assert torch.allclose(record["value_norms"][layer].float(), expected, rtol=2e-3, atol=1e-3)
+    weighted = target_heads(record, "future_value")
+    norms = record["value_norms"].float()
+    group = record["future_heads"].shape[1] // norms.shape[1]
+    assert group > 1
+    assert torch.allclose(weighted[:, 0], record["future_heads"][:, 0] * norms[:, 0])
+    assert torch.allclose(weighted[:, group], record["future_heads"][:, group] * norms[:, 1])
+    assert not torch.allclose(weighted[:, group], record["future_heads"][:, group] * norms[:, 0])  # wrong group
+    regret = Decisions([record], budgets=(0.25,), target="future_value")
+    assert regret.mass.shape == (2, n) and torch.isfinite(regret.mass).all()
+    with pytest.raises(ValueError, match="value_norms"):
+        Decisions([{k: v for k, v in record.items() if k != "value_norms"}], target="future_value")
 
 
 def test_a_teacher_scores_the_question_blind_decision_point_it_is_shown(tiny_model):

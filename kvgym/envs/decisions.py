@@ -43,14 +43,39 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from cache.controller import PHASES, CacheView
+from cache.controller import PHASES, CacheView, apply_decisions
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner, budget_blocks
 from cache.tiers import Tier
-from kvgym.envs.ranking import BUDGET_COLUMN, PRESSURE_COLUMN, RANK_FEATURES, block_features, policy_features
+from kvgym.envs.ranking import (
+    BUDGET_COLUMN,
+    PRESSURE_COLUMN,
+    RANK_FEATURES,
+    block_features,
+    keep_top,
+    policy_features,
+)
 from kvgym.envs.reward import ranking_regret
 
 BUDGETS = (0.125, 0.25, 0.5)
+
+
+def block_value_norms(view: CacheView) -> torch.Tensor:
+    """``[L, kv_heads, N]``: each device block's mean value norm (L2 over the head dimension, mean over its
+    tokens) per KV head; 0 for blocks off the device."""
+    cache = view.cache
+    block_size = cache.block_size
+    norms = None
+    for layer in range(view.num_layers):
+        blocks = torch.nonzero(view.tier[layer] == Tier.DEVICE).flatten()
+        pool = cache.device_pool(layer)
+        values = pool.values[cache.tables.physical[layer, blocks].to(pool.values.device)].float().cpu()  # [B, bs, kvh, d]
+        if norms is None:
+            norms = torch.zeros(view.num_layers, values.shape[2], view.num_blocks)
+        valid = torch.arange(block_size)[None] < view.num_tokens[layer, blocks][:, None]  # [B, bs]
+        per_token = values.norm(dim=-1) * valid[..., None]
+        norms[layer, :, blocks] = (per_token.sum(dim=1) / valid.sum(dim=1, keepdim=True).clamp(min=1)).T
+    return norms
 
 
 @torch.no_grad()
@@ -77,6 +102,7 @@ def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos
                                 token_ids=torch.tensor(prompt.ids[: shared.dense_end], dtype=torch.long),
                                 question_read=shared.dense_end > prompt.context_end)
     features = torch.from_numpy(policy_features(view))
+    value_norms = block_value_norms(view)
     before = view.acc_mass_heads.clone()
     taught = {}
     if teacher is not None:
@@ -102,8 +128,43 @@ def decision_point(model, prompt, max_new_tokens: int, block_size: int = 16, eos
         "features": features.half(), "future_heads": (after - before).float(), "context_tokens": prompt.context_tokens,
         "device_blocks": (view.tier == Tier.DEVICE).sum(dim=1), "sink_blocks": cache.config.sink_blocks,
         "block_size": block_size, "answer": torch.tensor(answer), "prefill_s": shared.seconds, "protocol": protocol,
-        **taught,
+        "value_norms": value_norms.half(), **taught,
     }
+
+
+class LiveDecision:
+    """A decision point's **live** reward, the teacher-forced KL: a ranking's scores (``[L, N]``, higher = keep)
+    are applied to a copy of the dense prefill (``keep_top`` at ``budget``, a fraction of the context: the
+    ``oneshot-question`` compression), then the last prompt token and the full cache's answer are fed in one
+    forward; the result is the mean over the answer's positions of the KL from the full cache's next-token
+    distributions there (what ``Runner.run(forced_tokens=answer, keep_logits=True)`` compares step by step).
+    The reward the attention oracle cannot give: it scores what the compressed cache does to the output."""
+
+    def __init__(self, model, prompt, shared, answer: list[int]):
+        if shared.protocol != "oneshot-question" or shared.dense_end != len(prompt.ids) - 1:
+            raise ValueError("LiveDecision: expected a oneshot-question dense prefill (the prompt but its last token)")
+        if not answer:
+            raise ValueError("LiveDecision: the answer to teacher-force is empty")
+        self.model, self.prompt, self.shared = model, prompt, shared
+        self.fed = torch.tensor([[prompt.ids[-1], *answer[:-1]]], device=next(model.parameters()).device)
+        self.reference = self._log_probs(shared.cache.clone())
+
+    @torch.no_grad()
+    def _log_probs(self, cache) -> torch.Tensor:
+        logits = self.model(input_ids=self.fed, cache=cache, use_cache=True, logits_to_keep=0).logits[0]
+        return torch.log_softmax(logits.double().cpu(), dim=-1)
+
+    @torch.no_grad()
+    def kl(self, scores, budget: float) -> float:
+        cache = self.shared.cache.clone()
+        blocks = budget_blocks(budget, self.prompt.context_tokens, cache.block_size, cache.num_layers,
+                               cache.config.sink_blocks + 1)
+        view = CacheView.from_cache(cache, blocks, phase="compress", question_read=True)
+        apply_decisions(cache, keep_top(view, scores))
+        if cache.enforce_budget(blocks):
+            raise RuntimeError("LiveDecision: keep_top left a layer over its budget")
+        log_q = self._log_probs(cache)
+        return float((self.reference.exp() * (self.reference - log_q)).sum(dim=-1).clamp_min(0.0).mean())
 
 
 class _StateRecorder:
@@ -231,7 +292,22 @@ def _save(record: dict, path: Path) -> None:
     tmp.replace(path)
 
 
-TARGETS = {"future": "future_heads", "teacher": "teacher_heads"}
+TARGETS = {"future": "future_heads", "teacher": "teacher_heads", "future_value": "value_norms"}
+TARGET_SOURCES = {"future": "every record has it", "teacher": "collect them with a teacher: `kvgym ranker collect --blind --teacher`",
+                  "future_value": "recorded by `kvgym ranker collect` since value norms are: collect them again"}
+
+
+def target_heads(record: dict, target: str) -> torch.Tensor:
+    """A record's ``[L, H, N]`` scores for ``target``: ``future`` (the future attention), ``teacher`` (the
+    teacher's scores), ``future_value`` (the future attention times the block's mean value norm in the query
+    head's KV group: what a lost block takes out of the attention output, not only its weight; records
+    collected since the value norms are recorded)."""
+    if target != "future_value":
+        return record[TARGETS[target]].float()
+    future, norms = record["future_heads"].float(), record["value_norms"].float()
+    group = future.shape[1] // norms.shape[1]
+    return future * norms.repeat_interleave(group, dim=1)[..., : future.shape[-1]]
+
 
 
 class Decisions:
@@ -256,7 +332,7 @@ class Decisions:
         untaught = sum(TARGETS[target] not in r for r in records)
         if untaught:
             raise ValueError(f"Decisions target {target!r}: {untaught} of {len(records)} records have no "
-                             f"{TARGETS[target]} (collect them with a teacher: `kvgym ranker collect --blind --teacher`)")
+                             f"{TARGETS[target]} ({TARGET_SOURCES[target]})")
         width = max(int(r["features"].shape[1]) for r in records)
         rows = {"features": [], "mass": [], "candidates": [], "room": [], "budget": [], "phase": [], "sample": []}
         samples: dict[tuple, int] = {}
@@ -264,7 +340,7 @@ class Decisions:
             sample = samples.setdefault(tuple(record.get(k) for k in ("task", "length", "seed", "index")), len(samples))
             features = record["features"].float()
             num_layers, n, _ = features.shape
-            mass = record[TARGETS[target]].float().amax(dim=1)  # [L, N]
+            mass = target_heads(record, target).amax(dim=1)  # [L, N]
             if needle_weight:
                 mass = mass.clamp(min=0) / mass.clamp(min=0).sum(dim=1, keepdim=True).clamp(min=1e-12)
                 needle = record["answer_blocks"].long()
