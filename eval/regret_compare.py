@@ -63,3 +63,32 @@ def comparison_md(report: dict) -> str:
         lines.append(f"| {name} | {row['gap_closed']:+.1%} | {row['ci_low']:+.1%} .. {row['ci_high']:+.1%} | "
                      f"{row['better']} / {row['worse']} |")
     return "\n".join(lines) + "\n"
+
+
+def live_kl_comparison(kls: dict[str, list[float]], samples: list[str], reference: str, boot: int = 4000,
+                       seed: int = 0) -> dict:
+    """Live KL of several rankings on the same decision points (``kls``: name → one KL per point, in the order
+    of ``samples``, which names each point's task sample; a sample may have several points, one per budget):
+    each one's mean, and against ``reference`` the mean difference (negative: closer to the full cache), its
+    paired-bootstrap 95% interval over samples (``boot`` resamples, seeded), and the samples better / worse."""
+    if reference not in kls:
+        raise ValueError(f"reference {reference!r} is not one of the rankings: {', '.join(kls)}")
+    if any(len(values) != len(samples) for values in kls.values()):
+        raise ValueError("live_kl_comparison: every ranking needs one KL per decision point")
+    names = sorted(set(samples), key=samples.index)
+    per_sample = {name: [sum(v for v, s in zip(values, samples, strict=True) if s == sample) for sample in names]
+                  for name, values in kls.items()}
+    rng = random.Random(seed)
+    picks = [rng.choices(range(len(names)), k=len(names)) for _ in range(boot)]
+    against = {}
+    for name, totals in per_sample.items():
+        if name == reference:
+            continue
+        diffs = [a - b for a, b in zip(totals, per_sample[reference], strict=True)]
+        points_per_sample = len(samples) / len(names)
+        draws = sorted(sum(diffs[i] for i in pick) / len(pick) / points_per_sample for pick in picks)
+        against[name] = {"difference": sum(diffs) / len(samples), "ci_low": draws[int(0.025 * boot)],
+                         "ci_high": draws[min(int(0.975 * boot), boot - 1)],
+                         "better": sum(d < 0 for d in diffs), "worse": sum(d > 0 for d in diffs)}
+    return {"reference": reference, "samples": len(names), "points": len(samples),
+            "mean_kl": {name: sum(values) / len(values) for name, values in kls.items()}, "against_reference": against}

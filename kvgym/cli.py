@@ -15,7 +15,8 @@ Subcommands:
   kvgym bench policy [options]     time per decision of a trained policy (direct path vs SB3 predict) (JSON)
   kvgym bench ranker [options]     ranking policy: ms per decision scoring every block, replay env steps/s (JSON)
   kvgym bench eval [options]       evaluation runs per hour with and without shared dense prefills (JSON)
-  kvgym ranker collect|train|live-train|regret|fidelity  ranking policy: decision points, training (oracle / live KL), held-out regret, replay vs live
+  kvgym ranker collect|train|live-train|regret|live-compare|fidelity  ranking policy: decision points, training
+                                   (oracle / live KL), held-out regret or live KL, replay vs live
   kvgym tensorboard [--logdir D]   TensorBoard on the training runs (offline)
   kvgym peer --samples S --peer P  kvgym's eval results beside kvpress's on the same samples (Markdown)
   kvgym compare --samples S --controller C  C vs every other controller on the same samples, paired CIs
@@ -341,6 +342,19 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_live.add_argument("--out", type=Path, required=True,
                              help="run folder: ranker.pt (best validation KL), metrics.jsonl, tensorboard/, summary.json")
 
+    ranker_live_compare = ranker_kinds.add_parser(
+        "live-compare", help="ranker files scored live (teacher-forced KL of their top-b) on held-out samples, paired (JSON)")
+    _add_model_args(ranker_live_compare)
+    ranker_live_compare.add_argument("--policies", required=True, help="NAME=PATH pairs, comma-separated (ranker files)")
+    ranker_live_compare.add_argument("--reference", default=None, help="the NAME compared against (default: the first)")
+    ranker_live_compare.add_argument("--tasks", default="passkey,niah_single,niah_multikey")
+    ranker_live_compare.add_argument("--length", type=int, default=2048)
+    ranker_live_compare.add_argument("--seed", type=int, default=103, help="harness seed: keep it apart from training's")
+    ranker_live_compare.add_argument("--n", type=int, default=4, help="samples per task")
+    ranker_live_compare.add_argument("--budgets", type=parse_fraction_list, default=[0.125, 0.25])
+    ranker_live_compare.add_argument("--no-chat", action="store_true")
+    ranker_live_compare.add_argument("--json", type=Path, default=None, help="also write the report here")
+
     ranker_fidelity = ranker_kinds.add_parser(
         "fidelity", help="replay vs live: per episode, Spearman of replay regret and live KL over >= 8 rankings (JSON)")
     _add_model_args(ranker_fidelity)
@@ -645,6 +659,8 @@ def cmd_ranker(args) -> int:
         return _ranker_fidelity(args)
     if args.ranker == "live-train":
         return _ranker_live_train(args)
+    if args.ranker == "live-compare":
+        return _ranker_live_compare(args)
     if args.ranker == "regret":
         return _ranker_regret(args)
     from agents.registry import make_controller
@@ -675,6 +691,19 @@ def _decision_files(folder: Path, option: str) -> list[Path]:
     return paths
 
 
+def _ranker_files(text: str) -> dict[str, Path]:
+    """``--policies``: NAME=PATH pairs, comma-separated → name → ranker file."""
+    files = {}
+    for pair in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, path = pair.partition("=")
+        if not name or not path:
+            raise ValueError(f"--policies: expected NAME=PATH pairs, got {pair!r}")
+        files[name] = Path(path)
+    if not files:
+        raise ValueError("--policies: expected NAME=PATH pairs, got none")
+    return files
+
+
 def _ranker_regret(args) -> int:
     import torch
 
@@ -683,12 +712,7 @@ def _ranker_regret(args) -> int:
     from eval.regret_compare import compare_rankings, comparison_md
     from kvgym.envs.decisions import Decisions, load_records
 
-    files = {}
-    for pair in (p.strip() for p in args.policies.split(",") if p.strip()):
-        name, _, path = pair.partition("=")
-        if not name or not path:
-            raise ValueError(f"--policies: expected NAME=PATH pairs, got {pair!r}")
-        files[name] = Path(path)
+    files = _ranker_files(args.policies)
     decisions = Decisions(load_records(_decision_files(args.records, "--records")))
     rankings = {}
     with torch.no_grad():
@@ -740,6 +764,33 @@ def _ranker_fidelity(args) -> int:
     write_report({"model": args.model, "length": args.length, "seed": args.seed, "tasks": tasks,
                   "summary": summaries["future"], "summary_by_target": summaries, "rows": rows}, args.json)
     print(json.dumps({target: {k: v for k, v in summary.items() if k != "episodes"} for target, summary in summaries.items()}))
+    return 0
+
+
+def _ranker_live_compare(args) -> int:
+    from agents.ranker.live_train import evaluate, live_points
+    from agents.ranker.model import load_ranker
+    from cache.models import load_model
+    from eval.regret_compare import live_kl_comparison
+
+    tasks = checked_tasks(args.tasks)
+    scorers = {name: load_ranker(path)[0] for name, path in _ranker_files(args.policies).items()}
+    reference = args.reference or next(iter(scorers))
+    if reference not in scorers:
+        raise ValueError(f"--reference {reference!r}: not one of the --policies names ({', '.join(scorers)})")
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    points = live_points(loaded.model, loaded.tokenizer, tasks, args.length, args.n, args.seed, chat=not args.no_chat)
+    kls = {name: evaluate(scorer, points, args.budgets)["kls"] for name, scorer in scorers.items()}
+    samples = [point.name for point in points for _ in args.budgets]
+    report = live_kl_comparison(kls, samples, reference)
+    report |= {"seed": args.seed, "budgets": list(args.budgets), "tasks": tasks, "length": args.length,
+               "files": {name: str(path) for name, path in _ranker_files(args.policies).items()},
+               "rows": [{"sample": s, "budget": b, **{name: kls[name][i] for name in kls}}
+                        for i, (s, b) in enumerate((p.name, b) for p in points for b in args.budgets)]}
+    print(json.dumps({k: report[k] for k in ("mean_kl", "against_reference")}, indent=1))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -82,3 +82,23 @@ def test_ranker_regret_command_scores_ranker_files_on_held_out_records(tmp_path,
     assert main(["ranker", "regret", "--records", str(tmp_path / "nothing"),
                  "--policies", f"a={tmp_path / 'a.pt'}"]) != 0
     assert "no decision points" in capsys.readouterr().err
+
+
+def test_live_kl_comparison_pairs_the_points_of_each_sample():
+    from eval.regret_compare import live_kl_comparison
+
+    samples = ["a", "a", "b", "b", "c", "c"]  # two budgets per sample
+    kls = {"start": [0.4, 0.2, 0.3, 0.1, 0.5, 0.5], "trained": [0.2, 0.2, 0.1, 0.1, 0.6, 0.5]}
+    report = live_kl_comparison(kls, samples, "start")
+    row = report["against_reference"]["trained"]
+    assert report["samples"] == 3 and report["points"] == 6
+    assert report["mean_kl"]["trained"] == pytest.approx(1.7 / 6)
+    assert row["difference"] == pytest.approx((-0.2 - 0.2 + 0.1) / 6)
+    assert (row["better"], row["worse"]) == (2, 1)
+    assert row["ci_low"] <= row["difference"] <= row["ci_high"] and row["ci_low"] < 0 < row["ci_high"]
+    same = live_kl_comparison({"x": kls["start"], "y": kls["start"]}, samples, "x")["against_reference"]["y"]
+    assert same["difference"] == same["ci_low"] == same["ci_high"] == 0  # a ranking against itself
+    with pytest.raises(ValueError, match="reference"):
+        live_kl_comparison(kls, samples, "missing")
+    with pytest.raises(ValueError, match="one KL per"):
+        live_kl_comparison({"start": [0.1]}, samples, "start")
