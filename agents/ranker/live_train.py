@@ -101,7 +101,8 @@ def train_live(train: list[LivePoint], validation: list[LivePoint], start: str |
     def checkpoint(epoch: int, train_kl: float) -> None:
         scorer.eval()
         held = evaluate(scorer, validation, budgets)
-        row = {"epoch": epoch, "train_sampled_kl": train_kl, "validation_kl": held["kl"], "validation_regret": held["regret"]}
+        row = {"epoch": epoch, "train_sampled_kl": None if math.isnan(train_kl) else train_kl,
+               "validation_kl": held["kl"], "validation_regret": held["regret"]}
         metrics.write(json.dumps(row) + "\n")
         metrics.flush()
         writer.add_scalar("live/validation_kl", held["kl"], epoch)
