@@ -337,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_live.add_argument("--samples", type=int, default=8, help="rankings drawn per decision point")
     ranker_live.add_argument("--lr", type=float, default=3e-4)
     ranker_live.add_argument("--temperature", type=float, default=1.0, help="of the Plackett-Luce sampling")
+    ranker_live.add_argument("--one-layer", action="store_true",
+                             help="each decision point's rankings differ in one layer drawn at random (the others at their top-b)")
     ranker_live.add_argument("--seed", type=int, default=0)
     ranker_live.add_argument("--no-chat", action="store_true")
     ranker_live.add_argument("--out", type=Path, required=True,
@@ -807,7 +809,8 @@ def _ranker_live_train(args) -> int:
     sets = {name: live_points(loaded.model, loaded.tokenizer, tasks, args.length, n, seed, chat=not args.no_chat)
             for name, n, seed in (("train", args.train_n, args.train_seed), ("validation", args.validation_n, args.validation_seed))}
     summary = train_live(sets["train"], sets["validation"], args.start, args.out, budgets=args.budgets, epochs=args.epochs,
-                         samples=args.samples, lr=args.lr, temperature=args.temperature, seed=args.seed)
+                         samples=args.samples, lr=args.lr, temperature=args.temperature, one_layer=args.one_layer,
+                         seed=args.seed)
     print(json.dumps(summary["best"]), f"-> {args.out / 'ranker.pt'}")
     return 0
 

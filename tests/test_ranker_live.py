@@ -40,7 +40,8 @@ def _start_file(tmp_path, records):
     return save_ranker(scorer, tmp_path / "start.pt")
 
 
-def test_policy_gradient_on_a_live_reward_learns_its_best_ranking(tiny_model, tmp_path):
+@pytest.mark.parametrize("one_layer", [False, True])
+def test_policy_gradient_on_a_live_reward_learns_its_best_ranking(tiny_model, tmp_path, one_layer):
     records = [decision_point(tiny_model, prompt, max_new_tokens=4) for prompt in PROMPTS]
     start = _start_file(tmp_path, records)
     # the half the untrained scorer keeps least of is the one wanted: a start far from the best ranking
@@ -49,7 +50,7 @@ def test_policy_gradient_on_a_live_reward_learns_its_best_ranking(tiny_model, tm
                          key=lambda pair: pair[0])
     assert before >= 0.5
     summary = train_live(points[:2], points[2:], start, tmp_path / "run", budgets=(0.25,), epochs=15, samples=8,
-                         lr=1e-2, log=lambda *_: None)
+                         lr=1e-2, one_layer=one_layer, log=lambda *_: None)
     trained, info = load_ranker(tmp_path / "run" / "ranker.pt")
     after = evaluate(trained, points, (0.25,))["kl"]
     assert after < before - 0.2 and after < 0.2  # held-out point included

@@ -11,7 +11,9 @@ Each decision point (a ``oneshot-question`` compression of one task sample, at o
 bandit over all 30 layers at once: ``samples`` rankings are drawn from the Plackett–Luce distribution of the
 scorer's scores per layer (``plackett_luce_topk``), each applied live, and REINFORCE weighs the joint
 log-probability (summed over layers) by the ranking's KL against the leave-one-out mean of the group,
-divided by the group's spread (GRPO-style: every decision point counts alike, whatever its KL scale). The run
+divided by the group's spread (GRPO-style: every decision point counts alike, whatever its KL scale); with
+``one_layer`` the rankings of a group differ in one layer drawn at random (the others at their top-b), so the
+advantage is credited to that layer's choice instead of being shared by 30 layers' draws. The run
 starts from a trained ranker file; each epoch the deterministic top-b is scored live on validation decision
 points (mean KL, and the attention regret to watch the drift from the oracle); the best epoch by validation KL
 is saved with ``save_ranker``.
@@ -79,8 +81,9 @@ def evaluate(scorer, points: list[LivePoint], budgets) -> dict:
 
 def train_live(train: list[LivePoint], validation: list[LivePoint], start: str | Path, out: str | Path,
                budgets=(0.125, 0.25), epochs: int = 3, samples: int = 8, lr: float = 3e-4,
-               temperature: float = 1.0, seed: int = 0, log=print) -> dict:
-    """REINFORCE on the live KL from the ranker file ``start``; writes ``out/ranker.pt`` (best validation KL,
+               temperature: float = 1.0, one_layer: bool = False, seed: int = 0, log=print) -> dict:
+    """REINFORCE on the live KL from the ranker file ``start`` (``one_layer``: each decision point's rankings
+    differ in one layer drawn at random, the others keep their top-b, so the credit goes to that layer); writes ``out/ranker.pt`` (best validation KL,
     the start included), ``out/metrics.jsonl``, TensorBoard events and ``out/summary.json``."""
     from torch.utils.tensorboard import SummaryWriter
 
@@ -95,7 +98,7 @@ def train_live(train: list[LivePoint], validation: list[LivePoint], start: str |
     metrics = (out / "metrics.jsonl").open("w")
     summary = {"start": str(start), "train_points": [p.name for p in train], "validation_points": [p.name for p in validation],
                "budgets": list(budgets), "epochs": epochs, "samples": samples, "lr": lr, "temperature": temperature,
-               "seed": seed}
+               "one_layer": one_layer, "seed": seed}
     best = {"kl": math.inf}
 
     def checkpoint(epoch: int, train_kl: float) -> None:
@@ -124,6 +127,12 @@ def train_live(train: list[LivePoint], validation: list[LivePoint], start: str |
         for point, budget, decisions in groups:
             scores = scorer(decisions.features)[0]
             keys, log_prob = plackett_luce_topk(scores, decisions.candidates, decisions.room, samples, temperature)
+            if one_layer:  # one layer drawn, the others at their top-b: the advantage is that layer's alone
+                layer = rng.randrange(keys.shape[1])
+                drawn = keys[:, layer]
+                keys = scores.detach().expand_as(keys).clone()
+                keys[:, layer] = drawn
+                log_prob = log_prob[:, layer:layer + 1]
             kl = torch.tensor([point.live.kl(k, budget) for k in keys])  # [S]
             baseline = (kl.sum() - kl) / (samples - 1)  # leave-one-out
             advantage = (baseline - kl) / kl.std().clamp(min=1e-6)  # lower KL than the others: positive
