@@ -11,8 +11,9 @@ Each decision point (a ``oneshot-question`` compression of one task sample, at o
 bandit over all 30 layers at once: ``samples`` rankings are drawn from the Plackett–Luce distribution of the
 scorer's scores per layer (``plackett_luce_topk``), each applied live, and REINFORCE weighs the joint
 log-probability (summed over layers) by the ranking's KL against the leave-one-out mean of the group,
-divided by the group's spread (GRPO-style: every decision point counts alike, whatever its KL scale); with
-``one_layer`` the rankings of a group differ in one layer drawn at random (the others at their top-b), so the
+divided by the group's spread, GRPO-style, so every decision point counts alike whatever its KL scale (the
+spread is floored at ``SPREAD_FLOOR``: a group whose draws all keep or all lose the answer differs only by
+rounding, and must not be blown up to unit scale). With ``one_layer`` the rankings of a group differ in one layer drawn at random (the others at their top-b), so the
 advantage is credited to that layer's choice instead of being shared by 30 layers' draws. The run
 starts from a trained ranker file; each epoch the deterministic top-b is scored live on validation decision
 points (mean KL, and the attention regret to watch the drift from the oracle); the best epoch by validation KL
@@ -34,6 +35,8 @@ from agents.ranker.train import plackett_luce_topk
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner
 from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
+
+SPREAD_FLOOR = 1e-3  # nats: the smallest group spread the advantage is divided by
 
 
 @dataclass
@@ -135,7 +138,9 @@ def train_live(train: list[LivePoint], validation: list[LivePoint], start: str |
                 log_prob = log_prob[:, layer:layer + 1]
             kl = torch.tensor([point.live.kl(k, budget) for k in keys])  # [S]
             baseline = (kl.sum() - kl) / (samples - 1)  # leave-one-out
-            advantage = (baseline - kl) / kl.std().clamp(min=1e-6)  # lower KL than the others: positive
+            # lower KL than the others: positive; a group whose KLs differ by less than SPREAD_FLOOR nats is
+            # not blown up to unit scale (that would turn rounding-level differences into full-size noise)
+            advantage = (baseline - kl) / kl.std().clamp(min=SPREAD_FLOOR)
             loss = -(advantage * log_prob.sum(dim=-1)).mean()
             optimiser.zero_grad()
             loss.backward()
