@@ -57,6 +57,7 @@ def test_policy_gradient_on_a_live_reward_learns_its_best_ranking(tiny_model, tm
     assert info["live_training"]["best"]["epoch"] == summary["best"]["epoch"] > 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == list(range(16)) and rows[0]["train_sampled_kl"] is None
+    assert all(0 <= r["flat_groups"] <= 1 for r in rows[1:])
     assert list((tmp_path / "run" / "tensorboard").iterdir())
 
 

@@ -104,17 +104,18 @@ def train_live(train: list[LivePoint], validation: list[LivePoint], start: str |
                "one_layer": one_layer, "seed": seed}
     best = {"kl": math.inf}
 
-    def checkpoint(epoch: int, train_kl: float) -> None:
+    def checkpoint(epoch: int, train_kl: float, flat: float | None = None) -> None:
         scorer.eval()
         held = evaluate(scorer, validation, budgets)
         row = {"epoch": epoch, "train_sampled_kl": None if math.isnan(train_kl) else train_kl,
-               "validation_kl": held["kl"], "validation_regret": held["regret"]}
+               "validation_kl": held["kl"], "validation_regret": held["regret"], "flat_groups": flat}
         metrics.write(json.dumps(row) + "\n")
         metrics.flush()
         writer.add_scalar("live/validation_kl", held["kl"], epoch)
         writer.add_scalar("live/validation_regret", held["regret"], epoch)
         if not math.isnan(train_kl):
             writer.add_scalar("live/train_sampled_kl", train_kl, epoch)
+            writer.add_scalar("live/flat_groups", flat, epoch)
         if held["kl"] < best["kl"]:
             best.update(kl=held["kl"], regret=held["regret"], epoch=epoch)
             save_ranker(scorer, out / "ranker.pt", {**start_summary, "live_training": {**summary, "best": dict(best)}})
@@ -126,7 +127,7 @@ def train_live(train: list[LivePoint], validation: list[LivePoint], start: str |
     checkpoint(0, float("nan"))
     for epoch in range(1, epochs + 1):
         rng.shuffle(groups)
-        sampled = []
+        sampled, flat = [], 0
         for point, budget, decisions in groups:
             scores = scorer(decisions.features)[0]
             keys, log_prob = plackett_luce_topk(scores, decisions.candidates, decisions.room, samples, temperature)
@@ -146,7 +147,8 @@ def train_live(train: list[LivePoint], validation: list[LivePoint], start: str |
             loss.backward()
             optimiser.step()
             sampled.append(float(kl.mean()))
-        checkpoint(epoch, sum(sampled) / len(sampled))
+            flat += bool(kl.std() < SPREAD_FLOOR)
+        checkpoint(epoch, sum(sampled) / len(sampled), flat / len(groups))
     summary["best"] = best
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     writer.close()
