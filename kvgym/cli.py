@@ -302,9 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_train.add_argument("--warm-epochs", type=int, default=30)
     ranker_train.add_argument("--rl-epochs", type=int, default=30)
     ranker_train.add_argument("--seed", type=int, default=0)
-    ranker_train.add_argument("--target", choices=["future", "teacher"], default="future",
-                              help="what a ranking is scored against: the future attention (default) or the "
-                                   "teacher's scores of records collected with `--teacher`")
+    ranker_train.add_argument("--target", choices=["future", "teacher", "future_value"], default="future",
+                              help="what a ranking is scored against: the future attention (default), the "
+                                   "teacher's scores of records collected with `--teacher`, or the future attention "
+                                   "times the blocks' value norms (records collected since they are recorded)")
     ranker_train.add_argument("--needle-weight", type=float, default=0.0,
                               help="add the blocks that state the answer to the target, worth this many times the "
                                    "rest of the layer (0: off)")
