@@ -13,9 +13,9 @@ scorer's scores per layer (``plackett_luce_topk``), each applied live, and REINF
 log-probability (summed over layers) by the ranking's KL against the leave-one-out mean of the group,
 divided by the group's spread, GRPO-style, so every decision point counts alike whatever its KL scale (the
 spread is floored at ``SPREAD_FLOOR``: a group whose draws all keep or all lose the answer differs only by
-rounding, and must not be blown up to unit scale). With ``one_layer`` the rankings of a group differ in one layer drawn at random (the others at their top-b), so the
-advantage is credited to that layer's choice instead of being shared by 30 layers' draws. The run
-starts from a trained ranker file; each epoch the deterministic top-b is scored live on validation decision
+rounding, and must not be blown up to unit scale). With ``one_layer`` the rankings of a group differ in one
+layer drawn at random (the others at their top-b), so the advantage is credited to that layer's choice instead
+of being shared by 30 layers' draws. The run starts from a trained ranker file; each epoch the deterministic top-b is scored live on validation decision
 points (mean KL, and the attention regret to watch the drift from the oracle); the best epoch by validation KL
 is saved with ``save_ranker``.
 """
@@ -86,8 +86,9 @@ def train_live(train: list[LivePoint], validation: list[LivePoint], start: str |
                budgets=(0.125, 0.25), epochs: int = 3, samples: int = 8, lr: float = 3e-4,
                temperature: float = 1.0, one_layer: bool = False, seed: int = 0, log=print) -> dict:
     """REINFORCE on the live KL from the ranker file ``start`` (``one_layer``: each decision point's rankings
-    differ in one layer drawn at random, the others keep their top-b, so the credit goes to that layer); writes ``out/ranker.pt`` (best validation KL,
-    the start included), ``out/metrics.jsonl``, TensorBoard events and ``out/summary.json``."""
+    differ in one layer drawn at random, the others keep their top-b, so the credit goes to that layer); writes
+    ``out/ranker.pt`` (best validation KL, the start included), ``out/metrics.jsonl`` (``flat_groups``: the share
+    of decision points whose draws all scored within ``SPREAD_FLOOR``), TensorBoard events and ``out/summary.json``."""
     from torch.utils.tensorboard import SummaryWriter
 
     if samples < 2:

@@ -28,6 +28,10 @@ Its reward is exact: ``-ranking_regret`` (``kvgym.envs.reward``), the future mas
 retrieval heads count) the kept set leaves off the device, minus the future-attention oracle's, over the
 layer's total. Layers are independent once per-layer budgets are fixed, so a decision is a contextual bandit.
 
+Records also carry each block's mean value norm per KV head (``value_norms``): ``Decisions(target="future_value")``
+weighs the future attention by it. **The live reward** of a ranking at a recorded decision point, the
+teacher-forced KL of the compressed cache's output from the full cache's, is ``LiveDecision``'s.
+
 ``RankingReplayEnv`` serves those decisions as one-step Gymnasium episodes: the observation is the layer's
 block features (padded to ``max_blocks``) and its candidate mask, the action a keep score per block.
 """
@@ -293,8 +297,11 @@ def _save(record: dict, path: Path) -> None:
 
 
 TARGETS = {"future": "future_heads", "teacher": "teacher_heads", "future_value": "value_norms"}
-TARGET_SOURCES = {"future": "every record has it", "teacher": "collect them with a teacher: `kvgym ranker collect --blind --teacher`",
-                  "future_value": "recorded by `kvgym ranker collect` since value norms are: collect them again"}
+TARGET_SOURCES = {  # where a record gets what each target needs
+    "future": "every record has it",
+    "teacher": "collect them with a teacher: `kvgym ranker collect --blind --teacher`",
+    "future_value": "recorded by `kvgym ranker collect` since value norms are: collect them again",
+}
 
 
 def target_heads(record: dict, target: str) -> torch.Tensor:
@@ -307,7 +314,6 @@ def target_heads(record: dict, target: str) -> torch.Tensor:
     future, norms = record["future_heads"].float(), record["value_norms"].float()
     group = future.shape[1] // norms.shape[1]
     return future * norms.repeat_interleave(group, dim=1)[..., : future.shape[-1]]
-
 
 
 class Decisions:
