@@ -80,12 +80,12 @@ def live_kl_comparison(kls: dict[str, list[float]], samples: list[str], referenc
                   for name, values in kls.items()}
     rng = random.Random(seed)
     picks = [rng.choices(range(len(names)), k=len(names)) for _ in range(boot)]
+    points_per_sample = len(samples) / len(names)
     against = {}
     for name, totals in per_sample.items():
         if name == reference:
             continue
         diffs = [a - b for a, b in zip(totals, per_sample[reference], strict=True)]
-        points_per_sample = len(samples) / len(names)
         draws = sorted(sum(diffs[i] for i in pick) / len(pick) / points_per_sample for pick in picks)
         against[name] = {"difference": sum(diffs) / len(samples), "ci_low": draws[int(0.025 * boot)],
                          "ci_high": draws[min(int(0.975 * boot), boot - 1)],

@@ -89,6 +89,14 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
 
 
+def _add_ranker_sample_args(parser: argparse.ArgumentParser) -> None:
+    """The task samples a live ranker command prefills: tasks, prompt length, budgets, chat template."""
+    parser.add_argument("--tasks", default="passkey,niah_single,niah_multikey")
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--budgets", type=parse_fraction_list, default=[0.125, 0.25])
+    parser.add_argument("--no-chat", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgym", description="KV-cache policies on a live, paged KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -326,14 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_live = ranker_kinds.add_parser(
         "live-train", help="policy gradient on the live teacher-forced KL, from a ranker file (agents.ranker.live_train)")
     _add_model_args(ranker_live)
+    _add_ranker_sample_args(ranker_live)
     ranker_live.add_argument("--start", type=Path, default=Path("policies/ranker_smollm2.pt"), help="the ranker file to start from")
-    ranker_live.add_argument("--tasks", default="passkey,niah_single,niah_multikey")
-    ranker_live.add_argument("--length", type=int, default=2048)
     ranker_live.add_argument("--train-seed", type=int, default=101, help="harness seed of the training samples")
     ranker_live.add_argument("--train-n", type=int, default=4, help="training samples per task")
     ranker_live.add_argument("--validation-seed", type=int, default=102, help="harness seed of the samples that pick the epoch")
     ranker_live.add_argument("--validation-n", type=int, default=2, help="validation samples per task")
-    ranker_live.add_argument("--budgets", type=parse_fraction_list, default=[0.125, 0.25])
     ranker_live.add_argument("--epochs", type=int, default=3)
     ranker_live.add_argument("--samples", type=int, default=8, help="rankings drawn per decision point")
     ranker_live.add_argument("--lr", type=float, default=3e-4)
@@ -341,33 +347,26 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_live.add_argument("--one-layer", action="store_true",
                              help="each decision point's rankings differ in one layer drawn at random (the others at their top-b)")
     ranker_live.add_argument("--seed", type=int, default=0)
-    ranker_live.add_argument("--no-chat", action="store_true")
     ranker_live.add_argument("--out", type=Path, required=True,
                              help="run folder: ranker.pt (best validation KL), metrics.jsonl, tensorboard/, summary.json")
 
     ranker_live_compare = ranker_kinds.add_parser(
         "live-compare", help="ranker files scored live (teacher-forced KL of their top-b) on held-out samples, paired (JSON)")
     _add_model_args(ranker_live_compare)
+    _add_ranker_sample_args(ranker_live_compare)
     ranker_live_compare.add_argument("--policies", required=True, help="NAME=PATH pairs, comma-separated (ranker files)")
     ranker_live_compare.add_argument("--reference", default=None, help="the NAME compared against (default: the first)")
-    ranker_live_compare.add_argument("--tasks", default="passkey,niah_single,niah_multikey")
-    ranker_live_compare.add_argument("--length", type=int, default=2048)
     ranker_live_compare.add_argument("--seed", type=int, default=103, help="harness seed: keep it apart from training's")
     ranker_live_compare.add_argument("--n", type=int, default=4, help="samples per task")
-    ranker_live_compare.add_argument("--budgets", type=parse_fraction_list, default=[0.125, 0.25])
-    ranker_live_compare.add_argument("--no-chat", action="store_true")
     ranker_live_compare.add_argument("--json", type=Path, default=None, help="also write the report here")
 
     ranker_fidelity = ranker_kinds.add_parser(
         "fidelity", help="replay vs live: per episode, Spearman of replay regret and live KL over >= 8 rankings (JSON)")
     _add_model_args(ranker_fidelity)
+    _add_ranker_sample_args(ranker_fidelity)
     ranker_fidelity.add_argument("--policy", type=Path, default=Path("policies/ranker_smollm2.pt"))
-    ranker_fidelity.add_argument("--tasks", default="passkey,niah_single,niah_multikey")
-    ranker_fidelity.add_argument("--length", type=int, default=2048)
     ranker_fidelity.add_argument("--n", type=int, default=2, help="samples per task")
     ranker_fidelity.add_argument("--seed", type=int, default=7, help="harness seed (keep it apart from training's)")
-    ranker_fidelity.add_argument("--budgets", type=parse_fraction_list, default=[0.125, 0.25])
-    ranker_fidelity.add_argument("--no-chat", action="store_true")
     ranker_fidelity.add_argument("--json", type=Path, required=True, help="where to write the rows and the summary")
 
     peer = commands.add_parser("peer", help="kvgym's eval results beside kvpress's on the same samples (Markdown)")
@@ -777,19 +776,20 @@ def _ranker_live_compare(args) -> int:
     from eval.regret_compare import live_kl_comparison
 
     tasks = checked_tasks(args.tasks)
-    scorers = {name: load_ranker(path)[0] for name, path in _ranker_files(args.policies).items()}
+    files = _ranker_files(args.policies)
+    scorers = {name: load_ranker(path)[0] for name, path in files.items()}
     reference = args.reference or next(iter(scorers))
     if reference not in scorers:
         raise ValueError(f"--reference {reference!r}: not one of the --policies names ({', '.join(scorers)})")
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     points = live_points(loaded.model, loaded.tokenizer, tasks, args.length, args.n, args.seed, chat=not args.no_chat)
     kls = {name: evaluate(scorer, points, args.budgets)["kls"] for name, scorer in scorers.items()}
-    samples = [point.name for point in points for _ in args.budgets]
-    report = live_kl_comparison(kls, samples, reference)
+    keys = [(point.name, budget) for point in points for budget in args.budgets]  # evaluate's order
+    report = live_kl_comparison(kls, [sample for sample, _ in keys], reference)
     report |= {"seed": args.seed, "budgets": list(args.budgets), "tasks": tasks, "length": args.length,
-               "files": {name: str(path) for name, path in _ranker_files(args.policies).items()},
-               "rows": [{"sample": s, "budget": b, **{name: kls[name][i] for name in kls}}
-                        for i, (s, b) in enumerate((p.name, b) for p in points for b in args.budgets)]}
+               "files": {name: str(path) for name, path in files.items()},
+               "rows": [{"sample": sample, "budget": budget, **{name: kls[name][i] for name in kls}}
+                        for i, (sample, budget) in enumerate(keys)]}
     print(json.dumps({k: report[k] for k in ("mean_kl", "against_reference")}, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
