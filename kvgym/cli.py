@@ -320,6 +320,28 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_train.add_argument("--out", type=Path, required=True,
                               help="run folder: ranker.pt, warm_start.pt, metrics.jsonl, tensorboard/, summary.json")
 
+    ranker_ppo = ranker_kinds.add_parser(
+        "ppo", help="PPO (stable-baselines3) of the ranking policy on the replay of decision points (agents.ranker.ppo)")
+    ranker_ppo.add_argument("--train", type=Path, required=True, help="a folder from `kvgym ranker collect`")
+    ranker_ppo.add_argument("--validation", type=Path, required=True,
+                            help="another folder (other samples): picks the checkpoint")
+    ranker_ppo.add_argument("--start", type=Path, default=None,
+                            help="a ranker file to start from (e.g. a warm start, `ranker train --rl-epochs 0`); "
+                                 "default: from scratch")
+    ranker_ppo.add_argument("--timesteps", type=int, default=500_000, help="decisions (one-step episodes) in all")
+    ranker_ppo.add_argument("--lr", type=float, default=1e-4)
+    ranker_ppo.add_argument("--log-std-init", type=float, default=0.0,
+                            help="starting log std of the Gaussian exploration noise on the keep scores")
+    ranker_ppo.add_argument("--envs", type=int, default=8)
+    ranker_ppo.add_argument("--n-steps", type=int, default=256, help="rollout steps per env between updates")
+    ranker_ppo.add_argument("--epochs", type=int, default=4, help="PPO epochs per rollout")
+    ranker_ppo.add_argument("--eval-every", type=int, default=50_000, help="steps between validation scorings")
+    ranker_ppo.add_argument("--seed", type=int, default=0)
+    ranker_ppo.add_argument("--resume", action="store_true", help="continue OUT/last.zip (after a kill)")
+    ranker_ppo.add_argument("--out", type=Path, required=True,
+                            help="run folder: ppo.zip and ranker.pt (best validation regret), last.zip, "
+                                 "metrics.jsonl, tensorboard/, summary.json")
+
     ranker_regret = ranker_kinds.add_parser(
         "regret", help="ranker files and single-feature heuristics scored on held-out decision points: regret "
                        "per phase and budget, and the gap to the oracle each closes against a reference (Markdown, JSON)")
@@ -656,6 +678,18 @@ def cmd_ranker(args) -> int:
                         rl_epochs=args.rl_epochs, seed=args.seed, target=args.target,
                         needle_weight=args.needle_weight)
         print(json.dumps(summary["best"]), f"-> {args.out / 'ranker.pt'}")
+        return 0
+    if args.ranker == "ppo":
+        from agents.ranker.ppo import train_ppo
+        from kvgym.envs.decisions import load_records
+
+        sets = {name: load_records(_decision_files(getattr(args, name), f"--{name}"))
+                for name in ("train", "validation")}
+        summary = train_ppo(sets["train"], sets["validation"], args.out, timesteps=args.timesteps, start=args.start,
+                            envs=args.envs, n_steps=args.n_steps, epochs=args.epochs, lr=args.lr,
+                            log_std_init=args.log_std_init, eval_every=args.eval_every, seed=args.seed,
+                            resume=args.resume)
+        print(json.dumps(summary["best"]), f"-> {args.out / 'ppo.zip'}")
         return 0
     if args.ranker == "fidelity":
         return _ranker_fidelity(args)

@@ -8,7 +8,9 @@ training set's mean and standard deviation, stored in the file.
 The file is one ``torch.save`` of plain tensors and strings (``torch.load(weights_only=True)``: no pickled
 code): ``format``, ``version``, the feature names, the architecture, the weights, the sha256 of the weights,
 and the training run's summary. A file that is missing, corrupt, foreign, fails its checksum or was trained
-on other features is refused with a ``PolicyFileError`` before anything is used.
+on other features is refused with a ``PolicyFileError`` before anything is used. ``load_ranker`` also reads the
+scorer out of a PPO zip of ``agents.ranker.ppo`` (SB3's ``model.save`` plus a ``kvgym_ranker.json`` entry with
+the features and the sha256 of ``policy.pth``), under the same checks, without importing SB3.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import io
 import json
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +31,8 @@ from kvgym.envs.ranking import RANK_FEATURES
 
 RANKER_FORMAT = "kvgym-ranker"
 RANKER_VERSION = 1
+PPO_FORMAT = "kvgym-ranker-ppo"  # an SB3 PPO zip of a RankingPolicy (agents.ranker.ppo) with this entry
+PPO_ENTRY = "kvgym_ranker.json"
 
 
 class PolicyFileError(ValueError):
@@ -85,6 +90,10 @@ class NumpyScorer:
         return out[..., 0], out[..., 1]
 
 
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def _weights_bytes(state: dict[str, torch.Tensor]) -> bytes:
     buffer = io.BytesIO()
     torch.save({name: state[name] for name in sorted(state)}, buffer)
@@ -99,7 +108,7 @@ def save_ranker(model: BlockScorer, path: str | Path, summary: dict | None = Non
     payload = {
         "format": RANKER_FORMAT, "version": RANKER_VERSION, "features": list(RANK_FEATURES),
         "hidden": model.hidden, "state_dict": state,
-        "weights_sha256": hashlib.sha256(_weights_bytes(state)).hexdigest(),
+        "weights_sha256": sha256_hex(_weights_bytes(state)),
         "summary": json.dumps(summary or {}, default=str),
     }
     fd, tmp = tempfile.mkstemp(suffix=".pt", dir=path.parent)
@@ -114,16 +123,62 @@ def save_ranker(model: BlockScorer, path: str | Path, summary: dict | None = Non
     return path
 
 
+def _is_sb3_zip(path: Path) -> bool:
+    """An SB3 ``model.save`` zip (a torch file is a zip too, without SB3's ``policy.pth``)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return "policy.pth" in archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def _read_ppo_zip(path: Path) -> dict:
+    """A ranker payload (as ``save_ranker`` writes one) from a PPO zip of ``agents.ranker.ppo``: its
+    ``kvgym_ranker.json`` entry and the scorer's weights out of SB3's ``policy.pth`` (``weights_only``)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if PPO_ENTRY not in archive.namelist():
+                raise PolicyFileError(f"{path} is an SB3 zip but not a kvgym ranking policy: it lacks {PPO_ENTRY} "
+                                      "(train one with `kvgym ranker ppo`; a slot policy of `kvgym train` loads as "
+                                      "ppo:PATH)")
+            meta = json.loads(archive.read(PPO_ENTRY))
+            weights = archive.read("policy.pth")
+    except (zipfile.BadZipFile, EOFError, OSError, json.JSONDecodeError, KeyError) as error:
+        raise PolicyFileError(f"ranker file {path} is a corrupt zip ({type(error).__name__}); refusing it") from None
+    if not isinstance(meta, dict) or meta.get("format") != PPO_FORMAT:
+        raise PolicyFileError(f"{path} is not a kvgym ranking policy (format {PPO_FORMAT!r}); a slot policy of "
+                              "`kvgym train` loads as ppo:PATH")
+    if sha256_hex(weights) != meta.get("policy_sha256"):
+        raise PolicyFileError(f"ranker file {path}: policy.pth does not match its recorded sha256; refusing it")
+    try:
+        policy = torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged file)
+        raise PolicyFileError(f"ranker file {path}: policy.pth cannot be read ({type(error).__name__})") from None
+    state = {key.removeprefix("scorer."): value for key, value in policy.items() if key.startswith("scorer.")}
+    return {**meta, "format": RANKER_FORMAT, "state_dict": state, "weights_sha256": sha256_hex(_weights_bytes(state)),
+            "summary": json.dumps(meta.get("summary") or {})}
+
+
 def load_ranker(path: str | Path) -> tuple[BlockScorer, dict]:
-    """``(model, summary)`` from a ranker file, checked; ``PolicyFileError`` otherwise."""
+    """``(model, summary)`` from a ranker file (``save_ranker``'s, or a PPO zip of ``agents.ranker.ppo``), checked;
+    ``PolicyFileError`` otherwise."""
     path = Path(path)
     if not path.is_file():
         raise PolicyFileError(f"ranker file {path} does not exist (train one with `kvgym ranker train`)")
+    payload = _read_ppo_zip(path) if _is_sb3_zip(path) else _read_torch_file(path)
+    return _checked_model(path, payload)
+
+
+def _read_torch_file(path: Path) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged file)
         raise PolicyFileError(f"ranker file {path} is corrupt or not a torch file ({type(error).__name__}); "
                               "refusing it") from None
+    return payload
+
+
+def _checked_model(path: Path, payload) -> tuple[BlockScorer, dict]:
     if not isinstance(payload, dict) or payload.get("format") != RANKER_FORMAT:
         raise PolicyFileError(f"{path} is not a kvgym ranker file (format {RANKER_FORMAT!r})")
     if payload.get("version") != RANKER_VERSION:
@@ -132,7 +187,7 @@ def load_ranker(path: str | Path) -> tuple[BlockScorer, dict]:
     if payload.get("features") != list(RANK_FEATURES):
         raise PolicyFileError(f"{path}: trained on other block features than this kvgym computes; retrain it")
     state = payload.get("state_dict")
-    if not isinstance(state, dict) or hashlib.sha256(_weights_bytes(state)).hexdigest() != payload.get("weights_sha256"):
+    if not isinstance(state, dict) or sha256_hex(_weights_bytes(state)) != payload.get("weights_sha256"):
         raise PolicyFileError(f"ranker file {path}: the weights do not match their recorded sha256; refusing it")
     model = BlockScorer(len(RANK_FEATURES), int(payload["hidden"]))
     try:

@@ -418,15 +418,18 @@ class RankingReplayEnv(gym.Env):
 
     ``observation``: ``blocks`` ``[max_blocks, F]`` (``RANK_FEATURES``; padding rows are 0) and
     ``candidates`` ``[max_blocks]`` (1 = may be kept or evicted; pinned and padding rows are 0).
-    ``action``: a keep score per block (``Box(-1, 1)``; only their order matters: the kept set is the top
-    ``room`` candidates).
+    ``action``: a keep score per block (``Box(-score_bound, score_bound)``, default ``[-1, 1]``; only their
+    order matters: the kept set is the top ``room`` candidates; a policy whose scores are unbounded logits, such
+    as the ranker's, takes a wide bound so that SB3's clipping to the box leaves their order alone).
     ``reward``: ``-ranking_regret`` (0 = the future-attention oracle's choice); ``info`` has the regret, the
     budget and the decision's index. Episodes are drawn uniformly (``reset(seed=...)`` seeds the draw).
     """
 
     metadata = {"render_modes": []}
 
-    def __init__(self, decisions: Decisions, max_blocks: int | None = None):
+    def __init__(self, decisions: Decisions, max_blocks: int | None = None, score_bound: float = 1.0):
+        if not (math.isfinite(score_bound) and score_bound > 0):
+            raise ValueError(f"score_bound: expected a finite bound > 0 on the keep scores, got {score_bound!r}")
         self.decisions = decisions
         self.max_blocks = max_blocks or int(decisions.features.shape[1])
         if self.max_blocks < decisions.features.shape[1]:
@@ -437,7 +440,7 @@ class RankingReplayEnv(gym.Env):
             "candidates": spaces.Box(0.0, 1.0, (self.max_blocks,), np.float32),
         })
         # only the order of the scores matters: [-1, 1] suits a Gaussian policy (any finite score is accepted)
-        self.action_space = spaces.Box(-1.0, 1.0, (self.max_blocks,), np.float32)
+        self.action_space = spaces.Box(-score_bound, score_bound, (self.max_blocks,), np.float32)
         self._row = None
 
     def _observation(self) -> dict[str, np.ndarray]:
