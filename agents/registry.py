@@ -1,7 +1,7 @@
 """Controllers by name, with parameters from ``configs/controllers/<name>.yaml`` and command-line overrides.
 
 A spec is ``name`` or ``name:key=value,key=value`` (values parsed as YAML: ``0.98``, ``true``, ``[1, 2]``); a
-controller with a ``positional_parameter`` takes a bare first value for it (``ppo:policies/ppo_smollm2.zip``).
+controller with a ``positional_parameter`` takes a bare first value for it (``ppo:policies/ppo_slots_smollm2.zip``).
 The same specs serve the CLI (``--controller h2o:recent_tokens=128``), the environment and the evaluation.
 Every parameter, from the YAML defaults or the spec, is checked against the type its dataclass field declares
 before the controller is built (``check_parameter``): a wrong one is a ``ValueError`` naming the controller,

@@ -158,3 +158,13 @@ def test_replay_env_checks_its_score_bound():
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="score_bound"):
             RankingReplayEnv(decisions, score_bound=bad)
+
+
+def test_the_slot_policy_loader_sends_a_ranking_zip_to_the_ranker(tmp_path):
+    from agents.ppo.controller import PolicyFileError as SlotPolicyFileError
+    from agents.ppo.controller import PPOController
+    from agents.ranker.ppo import save_ppo_ranker
+
+    path = save_ppo_ranker(_ppo()[0], tmp_path / "p.zip")
+    with pytest.raises(SlotPolicyFileError, match="load it as ranker:"):
+        PPOController.load(path)

@@ -31,6 +31,7 @@ from agents.ppo.network import (
     masked_argmax,
     observation_sizes,
 )
+from agents.ranker.model import PPO_ENTRY as RANKER_PPO_ENTRY
 from cache.controller import CacheView, Decision
 from kvgym.envs.observation import (
     BLOCK_FEATURES,
@@ -104,6 +105,9 @@ def read_policy(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     try:
         with zipfile.ZipFile(path) as archive:
             names = set(archive.namelist())
+            if RANKER_PPO_ENTRY in names:
+                raise PolicyFileError(f"{path} is a ranking policy (`kvgym ranker ppo`), not a slot policy: load it "
+                                      f"as ranker:{path}")
             if POLICY_ENTRY not in names or "policy.pth" not in names:
                 raise PolicyFileError(f"{path} is not a kvgym policy: it lacks {POLICY_ENTRY} or policy.pth "
                                       "(save policies with kvgym train / agents.ppo.controller.save_policy)")
