@@ -335,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_ppo.add_argument("--envs", type=int, default=8)
     ranker_ppo.add_argument("--n-steps", type=int, default=256, help="rollout steps per env between updates")
     ranker_ppo.add_argument("--epochs", type=int, default=4, help="PPO epochs per rollout")
+    ranker_ppo.add_argument("--group", type=int, default=1,
+                            help="envs per decision: each group of this many envs shows one decision and each "
+                                 "ranking is rewarded against the others' mean (leave-one-out); 1: plain PPO")
     ranker_ppo.add_argument("--eval-every", type=int, default=50_000, help="steps between validation scorings")
     ranker_ppo.add_argument("--seed", type=int, default=0)
     ranker_ppo.add_argument("--resume", action="store_true", help="continue OUT/last.zip (after a kill)")
@@ -687,7 +690,7 @@ def cmd_ranker(args) -> int:
                 for name in ("train", "validation")}
         summary = train_ppo(sets["train"], sets["validation"], args.out, timesteps=args.timesteps, start=args.start,
                             envs=args.envs, n_steps=args.n_steps, epochs=args.epochs, lr=args.lr,
-                            log_std_init=args.log_std_init, eval_every=args.eval_every, seed=args.seed,
+                            log_std_init=args.log_std_init, eval_every=args.eval_every, group=args.group, seed=args.seed,
                             resume=args.resume)
         print(json.dumps(summary["best"]), f"-> {args.out / 'ppo.zip'}")
         return 0

@@ -168,3 +168,36 @@ def test_the_slot_policy_loader_sends_a_ranking_zip_to_the_ranker(tmp_path):
     path = save_ppo_ranker(_ppo()[0], tmp_path / "p.zip")
     with pytest.raises(SlotPolicyFileError, match="load it as ranker:"):
         PPOController.load(path)
+
+
+def test_grouped_envs_show_one_decision_and_pay_each_ranking_against_the_others():
+    from agents.ranker.ppo import make_envs
+
+    decisions = Decisions(synthetic_records(20, 0))
+    envs = make_envs(decisions, count=6, seed=0, group=3)
+    observations = envs.reset()
+    blocks = observations["blocks"]
+    assert np.array_equal(blocks[0], blocks[1]) and np.array_equal(blocks[1], blocks[2])
+    assert np.array_equal(blocks[3], blocks[5]) and not np.array_equal(blocks[0], blocks[3])
+    rows = [envs.venv.envs[i]._row for i in range(6)]
+    actions = np.random.default_rng(0).normal(size=(6, blocks.shape[1])).astype(np.float32)
+    regret = np.array([float(decisions.regret(torch.from_numpy(actions[i : i + 1]), slice(r, r + 1))[0])
+                       for i, r in enumerate(rows)])
+    following, rewards, dones, infos = envs.step(actions)
+    assert dones.all() and [info["regret"] for info in infos] == pytest.approx(regret, abs=1e-6)
+    for start in (0, 3):
+        own = -regret[start : start + 3]
+        want = own - (own.sum() - own) / 2  # leave-one-out
+        assert rewards[start : start + 3] == pytest.approx(want, abs=1e-6)
+    assert np.array_equal(following["blocks"][0], following["blocks"][2])  # the next decision is shared too
+    with pytest.raises(ValueError, match="group"):
+        make_envs(decisions, count=6, seed=0, group=4)
+
+
+def test_ppo_with_group_relative_rewards_learns_from_scratch(tmp_path):
+    records, validation = synthetic_records(20, 0), synthetic_records(6, 1)
+    summary = train_ppo(records, validation, tmp_path, timesteps=8192, envs=8, group=4, n_steps=64, batch=128,
+                        lr=3e-4, eval_every=8192, **QUIET)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["validation_regret"] < 0.5 * rows[0]["validation_regret"], rows
+    assert summary["group"] == 4

@@ -6,7 +6,9 @@ the future-attention oracle). ``RankingPolicy`` is an SB3 ``ActorCriticPolicy`` 
 ``BlockScorer``: the mean of a Gaussian over every block's keep score, one learned standard deviation shared by
 all blocks (only the candidates' scores enter the log-probability: padding and pinned rows decide nothing),
 and whose critic maps the mean and spread of the candidates' (standardised) features to the expected reward. It
-starts from a ranker file (the warm start: ``kvgym ranker train --rl-epochs 0``) or from scratch.
+starts from a ranker file (the warm start: ``kvgym ranker train --rl-epochs 0``) or from scratch. With
+``group`` > 1, groups of envs show the same decision and each sampled ranking is rewarded against the mean of
+the others (``GroupRelativeReward``: the leave-one-out baseline of ``kvgym ranker train``'s REINFORCE).
 
 ``train_ppo`` runs SB3's ``PPO.learn`` with a callback that scores the deterministic scorer (the mean) on the
 validation decisions every ``eval_every`` steps (TensorBoard, ``metrics.jsonl``), keeps the best as
@@ -27,11 +29,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.policies import ActorCriticPolicy
-from stable_baselines3.common.vec_env import DummyVecEnv
+from stable_baselines3.common.vec_env import DummyVecEnv, VecEnvWrapper
 from torch import nn
 
 from agents.ranker.model import (
@@ -132,10 +135,67 @@ def save_ppo_ranker(model: PPO, path: str | Path, summary: dict | None = None) -
     return path
 
 
-def _envs(decisions: Decisions, count: int, seed: int) -> DummyVecEnv:
-    envs = DummyVecEnv([lambda: RankingReplayEnv(decisions, score_bound=SCORE_BOUND) for _ in range(count)])
-    envs.seed(seed)
-    return envs
+class SharedRows:
+    """The decision each env shows, drawn once per group of ``size`` consecutive envs: every member of a group
+    takes its group's current row, and the group draws a new one when all its members have taken it (one-step
+    episodes reset every env at every step, in env order)."""
+
+    def __init__(self, count: int, size: int, seed: int):
+        self.rng, self.count, self.size = np.random.default_rng(seed), count, size
+        self.rows: dict[int, int] = {}
+        self.taken: dict[int, int] = {}
+
+    def take(self, env_index: int) -> int:
+        group = env_index // self.size
+        if self.taken.get(group, 0) % self.size == 0:
+            self.rows[group] = int(self.rng.integers(self.count))
+        self.taken[group] = self.taken.get(group, 0) + 1
+        return self.rows[group]
+
+
+class GroupedReplayEnv(RankingReplayEnv):
+    """``RankingReplayEnv`` whose episodes show the row ``rows`` hands this env (``SharedRows``)."""
+
+    def __init__(self, decisions: Decisions, rows: SharedRows, index: int):
+        super().__init__(decisions, score_bound=SCORE_BOUND)
+        self.rows, self.index = rows, index
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        return super().reset(seed=seed, options={"row": self.rows.take(self.index)})
+
+
+class GroupRelativeReward(VecEnvWrapper):
+    """Each env's reward minus the mean reward of the other members of its group (the same decision, other
+    sampled rankings): the leave-one-out baseline of ``kvgym ranker train``'s REINFORCE, inside PPO. The
+    regret varies far more between decisions than between rankings of one decision, which a critic of the state
+    has to learn; this baseline removes it exactly. ``info["regret"]`` keeps each ranking's own regret."""
+
+    def __init__(self, venv, size: int):
+        super().__init__(venv)
+        self.size = size
+
+    def reset(self):
+        return self.venv.reset()
+
+    def step_wait(self):
+        observations, rewards, dones, infos = self.venv.step_wait()
+        grouped = rewards.reshape(-1, self.size)
+        baseline = (grouped.sum(axis=1, keepdims=True) - grouped) / (self.size - 1)
+        return observations, (grouped - baseline).reshape(-1).astype(np.float32), dones, infos
+
+
+def make_envs(decisions: Decisions, count: int, seed: int, group: int = 1):
+    """``count`` replay envs for PPO; ``group`` > 1: consecutive groups of that many envs show one decision at
+    a time and are rewarded against each other (``GroupRelativeReward``)."""
+    if group < 1 or count % group:
+        raise ValueError(f"group: expected a divisor of the {count} envs, got {group}")
+    if group == 1:
+        envs = DummyVecEnv([lambda: RankingReplayEnv(decisions, score_bound=SCORE_BOUND) for _ in range(count)])
+        envs.seed(seed)
+        return envs
+    rows = SharedRows(len(decisions), group, seed)
+    return GroupRelativeReward(DummyVecEnv([lambda i=i: GroupedReplayEnv(decisions, rows, i) for i in range(count)]),
+                               group)
 
 
 class _Validation(BaseCallback):
@@ -185,18 +245,18 @@ class _Validation(BaseCallback):
 def train_ppo(records: list[dict], validation: list[dict], out: str | Path, timesteps: int = 500_000,
               start: str | Path | None = None, envs: int = 8, n_steps: int = 256, batch: int = 256,
               epochs: int = 4, lr: float = 1e-4, log_std_init: float = 0.0, eval_every: int = 50_000,
-              hidden: int = 64, seed: int = 0, resume: bool = False, log=print) -> dict:
+              hidden: int = 64, group: int = 1, seed: int = 0, resume: bool = False, log=print) -> dict:
     """PPO of a ``RankingPolicy`` on ``records`` (from ``start``'s weights, else from scratch with the training
-    features' normalisation); the best file by validation regret is ``out/ranker.pt`` and ``out/ppo.zip``; TensorBoard
+    features' normalisation; ``group`` > 1: the group-relative reward of ``make_envs``); the best file by validation regret is ``out/ranker.pt`` and ``out/ppo.zip``; TensorBoard
     events, ``metrics.jsonl``, ``summary.json``. ``resume``: continue ``out/last.zip`` to ``timesteps`` in all."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data, held = Decisions(records), Decisions(validation)
-    vec = _envs(data, envs, seed)
+    vec = make_envs(data, envs, seed, group)
     summary = {"train_rows": len(data), "validation_rows": len(held), "train_samples": len(records),
                "validation_samples": len(validation), "start": str(start) if start else "scratch",
                "timesteps": timesteps, "envs": envs, "n_steps": n_steps, "batch": batch, "epochs": epochs,
-               "lr": lr, "log_std_init": log_std_init, "seed": seed}
+               "lr": lr, "log_std_init": log_std_init, "group": group, "seed": seed}
     best: dict = {}
     if resume and (out / "last.zip").is_file():
         model = PPO.load(out / "last.zip", env=vec, custom_objects={"tensorboard_log": str(out / "tensorboard")})
