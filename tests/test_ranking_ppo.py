@@ -201,3 +201,23 @@ def test_ppo_with_group_relative_rewards_learns_from_scratch(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["validation_regret"] < 0.5 * rows[0]["validation_regret"], rows
     assert summary["group"] == 4
+
+
+def test_the_shipped_ppo_ranker_loads_as_a_ranker_and_with_sb3():
+    """``policies/ppo_smollm2.zip``: the ranking policy trained with PPO (grouped, from the 30-epoch warm start);
+    its summary records a validation regret below the start's (0.0658), and SB3 reads the same scorer."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "policies" / "ppo_smollm2.zip"
+    scorer, summary = load_ranker(path)
+    assert summary["group"] == 8 and summary["start"].endswith("warm_start.pt")
+    assert summary["best"]["regret"] < 0.0658
+    controller = make_controller(f"ranker:{path},stay=2")
+    assert isinstance(controller, RankerController) and controller.stay == 2
+    sb3 = PPO.load(path, device="cpu")
+    width = sb3.observation_space["blocks"].shape[0]
+    blocks = np.random.default_rng(0).normal(size=(width, scorer.num_features)).astype(np.float32)
+    observation = {"blocks": blocks, "candidates": np.ones(width, np.float32)}
+    with torch.no_grad():
+        want = scorer(torch.from_numpy(blocks))[0].numpy()
+    assert np.allclose(sb3.predict(observation, deterministic=True)[0], want, atol=1e-4)
