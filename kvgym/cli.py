@@ -332,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_ppo.add_argument("--lr", type=float, default=1e-4)
     ranker_ppo.add_argument("--log-std-init", type=float, default=0.0,
                             help="starting log std of the Gaussian exploration noise on the keep scores")
+    ranker_ppo.add_argument("--fixed-std", action="store_true",
+                            help="keep the exploration noise at --log-std-init (default: learned, and it shrinks)")
     ranker_ppo.add_argument("--envs", type=int, default=8)
     ranker_ppo.add_argument("--n-steps", type=int, default=256, help="rollout steps per env between updates")
     ranker_ppo.add_argument("--epochs", type=int, default=4, help="PPO epochs per rollout")
@@ -690,8 +692,8 @@ def cmd_ranker(args) -> int:
                 for name in ("train", "validation")}
         summary = train_ppo(sets["train"], sets["validation"], args.out, timesteps=args.timesteps, start=args.start,
                             envs=args.envs, n_steps=args.n_steps, epochs=args.epochs, lr=args.lr,
-                            log_std_init=args.log_std_init, eval_every=args.eval_every, group=args.group, seed=args.seed,
-                            resume=args.resume)
+                            log_std_init=args.log_std_init, learn_std=not args.fixed_std, eval_every=args.eval_every,
+                            group=args.group, seed=args.seed, resume=args.resume)
         print(json.dumps(summary["best"]), f"-> {args.out / 'ppo.zip'}")
         return 0
     if args.ranker == "fidelity":

@@ -221,3 +221,14 @@ def test_the_shipped_ppo_ranker_loads_as_a_ranker_and_with_sb3():
     with torch.no_grad():
         want = scorer(torch.from_numpy(blocks))[0].numpy()
     assert np.allclose(sb3.predict(observation, deterministic=True)[0], want, atol=1e-4)
+
+
+def test_a_fixed_std_stays_where_it_started_and_a_learned_one_moves(tmp_path):
+    records, validation = synthetic_records(8, 0), synthetic_records(3, 1)
+    logs = {}
+    for learn in (True, False):
+        train_ppo(records, validation, tmp_path / str(learn), timesteps=1024, envs=4, n_steps=128, batch=128,
+                  log_std_init=-0.5, learn_std=learn, eval_every=1024, **QUIET)
+        rows = [json.loads(line) for line in (tmp_path / str(learn) / "metrics.jsonl").read_text().splitlines()]
+        logs[learn] = rows[-1]["log_std"]
+    assert logs[False] == pytest.approx(-0.5) and logs[True] != pytest.approx(-0.5, abs=1e-4)

@@ -57,11 +57,12 @@ LOG_2PI = math.log(2 * math.pi)
 class RankingPolicy(ActorCriticPolicy):
     """Gaussian keep scores around a ``BlockScorer``'s, for ``RankingReplayEnv``'s Dict observation; critic: an
     MLP of the candidates' feature mean and spread (cheap: the per-block work is the actor's). ``log_std_init``: the exploration noise's starting log std (in
-    score units; the Plackett–Luce sampling of ``kvgym ranker train`` has Gumbel noise of std 1.28)."""
+    score units; the Plackett–Luce sampling of ``kvgym ranker train`` has Gumbel noise of std 1.28);
+    ``learn_std`` False keeps it there (PPO otherwise shrinks it as the mean improves, and explores less)."""
 
     def __init__(self, observation_space, action_space, lr_schedule, hidden: int = 64, log_std_init: float = 0.0,
-                 **kwargs):
-        self.hidden = hidden
+                 learn_std: bool = True, **kwargs):
+        self.hidden, self.learn_std = hidden, learn_std
         kwargs["ortho_init"] = False  # the scorer has its own init (and may be loaded from a ranker file)
         super().__init__(observation_space, action_space, lr_schedule, log_std_init=log_std_init, **kwargs)
 
@@ -72,11 +73,11 @@ class RankingPolicy(ActorCriticPolicy):
                              f"{len(RANK_FEATURES)}")
         self.scorer = BlockScorer(features, self.hidden)
         self.critic = nn.Sequential(nn.Linear(2 * features, self.hidden), nn.Tanh(), nn.Linear(self.hidden, 1))
-        self.log_std = nn.Parameter(torch.tensor(float(self.log_std_init)))
+        self.log_std = nn.Parameter(torch.tensor(float(self.log_std_init)), requires_grad=self.learn_std)
         self.optimizer = self.optimizer_class(self.parameters(), lr=lr_schedule(1), **self.optimizer_kwargs)
 
     def _get_constructor_parameters(self) -> dict:
-        return {**super()._get_constructor_parameters(), "hidden": self.hidden}
+        return {**super()._get_constructor_parameters(), "hidden": self.hidden, "learn_std": self.learn_std}
 
     def _mean_and_candidates(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         return self.scorer(obs["blocks"])[0], obs["candidates"] > 0.5
@@ -245,7 +246,8 @@ class _Validation(BaseCallback):
 def train_ppo(records: list[dict], validation: list[dict], out: str | Path, timesteps: int = 500_000,
               start: str | Path | None = None, envs: int = 8, n_steps: int = 256, batch: int = 256,
               epochs: int = 4, lr: float = 1e-4, log_std_init: float = 0.0, eval_every: int = 50_000,
-              hidden: int = 64, group: int = 1, seed: int = 0, resume: bool = False, log=print) -> dict:
+              learn_std: bool = True, hidden: int = 64, group: int = 1, seed: int = 0, resume: bool = False,
+              log=print) -> dict:
     """PPO of a ``RankingPolicy`` on ``records`` (from ``start``'s weights, else from scratch with the training
     features' normalisation; ``group`` > 1: the group-relative reward of ``make_envs``); the best file by validation regret is ``out/ranker.pt`` and ``out/ppo.zip``; TensorBoard
     events, ``metrics.jsonl``, ``summary.json``. ``resume``: continue ``out/last.zip`` to ``timesteps`` in all."""
@@ -256,7 +258,7 @@ def train_ppo(records: list[dict], validation: list[dict], out: str | Path, time
     summary = {"train_rows": len(data), "validation_rows": len(held), "train_samples": len(records),
                "validation_samples": len(validation), "start": str(start) if start else "scratch",
                "timesteps": timesteps, "envs": envs, "n_steps": n_steps, "batch": batch, "epochs": epochs,
-               "lr": lr, "log_std_init": log_std_init, "group": group, "seed": seed}
+               "lr": lr, "log_std_init": log_std_init, "learn_std": learn_std, "group": group, "seed": seed}
     best: dict = {}
     if resume and (out / "last.zip").is_file():
         model = PPO.load(out / "last.zip", env=vec, custom_objects={"tensorboard_log": str(out / "tensorboard")})
@@ -268,7 +270,7 @@ def train_ppo(records: list[dict], validation: list[dict], out: str | Path, time
         (out / "metrics.jsonl").write_text("")
         model = PPO(RankingPolicy, vec, learning_rate=lr, n_steps=n_steps, batch_size=batch, n_epochs=epochs,
                     gamma=0.0, gae_lambda=1.0, seed=seed, device="cpu", tensorboard_log=str(out / "tensorboard"),
-                    policy_kwargs={"hidden": hidden, "log_std_init": log_std_init})
+                    policy_kwargs={"hidden": hidden, "log_std_init": log_std_init, "learn_std": learn_std})
         scorer = model.policy.scorer
         if start:
             scorer.load_state_dict(load_ranker(start)[0].state_dict())
