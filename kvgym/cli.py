@@ -675,10 +675,8 @@ def cmd_train(args) -> int:
 def cmd_ranker(args) -> int:
     if args.ranker == "train":
         from agents.ranker.train import train
-        from kvgym.envs.decisions import load_records
 
-        sets = {name: load_records(_decision_files(getattr(args, name), f"--{name}"))
-                for name in ("train", "validation")}
+        sets = _train_and_validation_records(args)
         summary = train(sets["train"], sets["validation"], args.out, warm_epochs=args.warm_epochs,
                         rl_epochs=args.rl_epochs, seed=args.seed, target=args.target,
                         needle_weight=args.needle_weight)
@@ -686,10 +684,8 @@ def cmd_ranker(args) -> int:
         return 0
     if args.ranker == "ppo":
         from agents.ranker.ppo import train_ppo
-        from kvgym.envs.decisions import load_records
 
-        sets = {name: load_records(_decision_files(getattr(args, name), f"--{name}"))
-                for name in ("train", "validation")}
+        sets = _train_and_validation_records(args)
         summary = train_ppo(sets["train"], sets["validation"], args.out, timesteps=args.timesteps, start=args.start,
                             envs=args.envs, n_steps=args.n_steps, epochs=args.epochs, lr=args.lr,
                             log_std_init=args.log_std_init, learn_std=not args.fixed_std, eval_every=args.eval_every,
@@ -723,6 +719,13 @@ def cmd_ranker(args) -> int:
                     teacher=teacher, blind_only=args.blind_only)
     print(f"{len(paths)} decision points in {args.out}")
     return 0
+
+
+def _train_and_validation_records(args) -> dict[str, list[dict]]:
+    """``--train`` and ``--validation``'s decision points, loaded (``ranker train`` / ``ranker ppo``)."""
+    from kvgym.envs.decisions import load_records
+
+    return {name: load_records(_decision_files(getattr(args, name), f"--{name}")) for name in ("train", "validation")}
 
 
 def _decision_files(folder: Path, option: str) -> list[Path]:
