@@ -179,7 +179,7 @@ def test_grouped_envs_show_one_decision_and_pay_each_ranking_against_the_others(
     blocks = observations["blocks"]
     assert np.array_equal(blocks[0], blocks[1]) and np.array_equal(blocks[1], blocks[2])
     assert np.array_equal(blocks[3], blocks[5]) and not np.array_equal(blocks[0], blocks[3])
-    rows = [envs.venv.envs[i]._row for i in range(6)]
+    rows = envs.venv.rows.tolist()
     actions = np.random.default_rng(0).normal(size=(6, blocks.shape[1])).astype(np.float32)
     regret = np.array([float(decisions.regret(torch.from_numpy(actions[i : i + 1]), slice(r, r + 1))[0])
                        for i, r in enumerate(rows)])
@@ -232,3 +232,28 @@ def test_a_fixed_std_stays_where_it_started_and_a_learned_one_moves(tmp_path):
         rows = [json.loads(line) for line in (tmp_path / str(learn) / "metrics.jsonl").read_text().splitlines()]
         logs[learn] = rows[-1]["log_std"]
     assert logs[False] == pytest.approx(-0.5) and logs[True] != pytest.approx(-0.5, abs=1e-4)
+
+
+def test_the_batched_vec_env_pays_each_env_its_own_regret_and_checks_actions():
+    from kvgym.envs.decisions import RankingReplayVecEnv
+
+    decisions = Decisions(synthetic_records(20, 0))
+    envs = RankingReplayVecEnv(decisions, 5, score_bound=SCORE_BOUND, seed=1)
+    observations = envs.reset()
+    rows = envs.rows.tolist()
+    assert len(set(rows)) > 1  # group 1: each env draws its own decision
+    for i, row in enumerate(rows):
+        assert np.array_equal(observations["blocks"][i], decisions.features[row].numpy())
+        assert np.array_equal(observations["candidates"][i], decisions.candidates[row].float().numpy())
+    actions = np.random.default_rng(0).normal(size=(5, observations["blocks"].shape[1])).astype(np.float32)
+    _, rewards, dones, infos = envs.step(actions)
+    single = [float(decisions.regret(torch.from_numpy(actions[i : i + 1]), slice(r, r + 1))[0]) for i, r in enumerate(rows)]
+    assert dones.all() and rewards == pytest.approx([-r for r in single], abs=1e-6)
+    assert [info["row"] for info in infos] == rows
+    assert np.array_equal(infos[2]["terminal_observation"]["blocks"], observations["blocks"][2])
+    with pytest.raises(ValueError, match="finite keep scores"):
+        envs.step(actions[:, :-1])
+    with pytest.raises(ValueError, match="finite keep scores"):
+        envs.step(np.full_like(actions, np.nan))
+    with pytest.raises(ValueError, match="group"):
+        RankingReplayVecEnv(decisions, 5, group=2)

@@ -2,7 +2,8 @@
 
 The environment is ``kvgym.envs.decisions.RankingReplayEnv``: one-step episodes, one layer of one recorded
 decision point at one budget; the action is a keep score per block, the reward ``-ranking_regret`` (exact, 0 =
-the future-attention oracle). ``RankingPolicy`` is an SB3 ``ActorCriticPolicy`` whose actor **is** a
+the future-attention oracle), stepped for all envs at once by ``RankingReplayVecEnv`` (one batched regret per
+step). ``RankingPolicy`` is an SB3 ``ActorCriticPolicy`` whose actor **is** a
 ``BlockScorer``: the mean of a Gaussian over every block's keep score, one learned standard deviation shared by
 all blocks (only the candidates' scores enter the log-probability: padding and pinned rows decide nothing),
 and whose critic maps the mean and spread of the candidates' (standardised) features to the expected reward. It
@@ -34,7 +35,7 @@ import torch
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.policies import ActorCriticPolicy
-from stable_baselines3.common.vec_env import DummyVecEnv, VecEnvWrapper
+from stable_baselines3.common.vec_env import VecEnvWrapper
 from torch import nn
 
 from agents.ranker.model import (
@@ -47,7 +48,7 @@ from agents.ranker.model import (
     sha256_hex,
 )
 from agents.ranker.train import regret_table
-from kvgym.envs.decisions import Decisions, RankingReplayEnv
+from kvgym.envs.decisions import Decisions, RankingReplayVecEnv
 from kvgym.envs.ranking import RANK_FEATURES
 
 SCORE_BOUND = 1e4  # the env's action box: wide, so SB3's clipping leaves the scorer's logits (and their order) alone
@@ -136,35 +137,6 @@ def save_ppo_ranker(model: PPO, path: str | Path, summary: dict | None = None) -
     return path
 
 
-class SharedRows:
-    """The decision each env shows, drawn once per group of ``size`` consecutive envs: every member of a group
-    takes its group's current row, and the group draws a new one when all its members have taken it (one-step
-    episodes reset every env at every step, in env order)."""
-
-    def __init__(self, count: int, size: int, seed: int):
-        self.rng, self.count, self.size = np.random.default_rng(seed), count, size
-        self.rows: dict[int, int] = {}
-        self.taken: dict[int, int] = {}
-
-    def take(self, env_index: int) -> int:
-        group = env_index // self.size
-        if self.taken.get(group, 0) % self.size == 0:
-            self.rows[group] = int(self.rng.integers(self.count))
-        self.taken[group] = self.taken.get(group, 0) + 1
-        return self.rows[group]
-
-
-class GroupedReplayEnv(RankingReplayEnv):
-    """``RankingReplayEnv`` whose episodes show the row ``rows`` hands this env (``SharedRows``)."""
-
-    def __init__(self, decisions: Decisions, rows: SharedRows, index: int):
-        super().__init__(decisions, score_bound=SCORE_BOUND)
-        self.rows, self.index = rows, index
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
-        return super().reset(seed=seed, options={"row": self.rows.take(self.index)})
-
-
 class GroupRelativeReward(VecEnvWrapper):
     """Each env's reward minus the mean reward of the other members of its group (the same decision, other
     sampled rankings): the leave-one-out baseline of ``kvgym ranker train``'s REINFORCE, inside PPO. The
@@ -186,17 +158,11 @@ class GroupRelativeReward(VecEnvWrapper):
 
 
 def make_envs(decisions: Decisions, count: int, seed: int, group: int = 1):
-    """``count`` replay envs for PPO; ``group`` > 1: consecutive groups of that many envs show one decision at
-    a time and are rewarded against each other (``GroupRelativeReward``)."""
-    if group < 1 or count % group:
-        raise ValueError(f"group: expected a divisor of the {count} envs, got {group}")
-    if group == 1:
-        envs = DummyVecEnv([lambda: RankingReplayEnv(decisions, score_bound=SCORE_BOUND) for _ in range(count)])
-        envs.seed(seed)
-        return envs
-    rows = SharedRows(len(decisions), group, seed)
-    return GroupRelativeReward(DummyVecEnv([lambda i=i: GroupedReplayEnv(decisions, rows, i) for i in range(count)]),
-                               group)
+    """``count`` replay envs for PPO, stepped as one batch (``RankingReplayVecEnv``); ``group`` > 1: consecutive
+    groups of that many envs show one decision at a time and are rewarded against each other
+    (``GroupRelativeReward``)."""
+    envs = RankingReplayVecEnv(decisions, count, score_bound=SCORE_BOUND, group=group, seed=seed)
+    return GroupRelativeReward(envs, group) if group > 1 else envs
 
 
 class _Validation(BaseCallback):
