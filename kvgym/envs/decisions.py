@@ -33,7 +33,8 @@ weighs the future attention by it. **The live reward** of a ranking at a recorde
 teacher-forced KL of the compressed cache's output from the full cache's, is ``LiveDecision``'s.
 
 ``RankingReplayEnv`` serves those decisions as one-step Gymnasium episodes: the observation is the layer's
-block features (padded to ``max_blocks``) and its candidate mask, the action a keep score per block.
+block features (padded to ``max_blocks``) and its candidate mask, the action a keep score per block;
+``RankingReplayVecEnv`` steps many of them as one SB3 ``VecEnv`` batch (what PPO trains on).
 """
 
 from __future__ import annotations
