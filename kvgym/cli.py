@@ -337,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_ppo.add_argument("--envs", type=int, default=8)
     ranker_ppo.add_argument("--n-steps", type=int, default=256, help="rollout steps per env between updates")
     ranker_ppo.add_argument("--epochs", type=int, default=4, help="PPO epochs per rollout")
+    ranker_ppo.add_argument("--batch", type=int, default=256,
+                            help="PPO minibatch size (rows of a rollout of --envs x --n-steps rankings)")
     ranker_ppo.add_argument("--group", type=int, default=1,
                             help="envs per decision: each group of this many envs shows one decision and each "
                                  "ranking is rewarded against the others' mean (leave-one-out); 1: plain PPO")
@@ -687,7 +689,7 @@ def cmd_ranker(args) -> int:
 
         sets = _train_and_validation_records(args)
         summary = train_ppo(sets["train"], sets["validation"], args.out, timesteps=args.timesteps, start=args.start,
-                            envs=args.envs, n_steps=args.n_steps, epochs=args.epochs, lr=args.lr,
+                            envs=args.envs, n_steps=args.n_steps, batch=args.batch, epochs=args.epochs, lr=args.lr,
                             log_std_init=args.log_std_init, learn_std=not args.fixed_std, eval_every=args.eval_every,
                             group=args.group, seed=args.seed, resume=args.resume)
         print(json.dumps(summary["best"]), f"-> {args.out / 'ppo.zip'}")

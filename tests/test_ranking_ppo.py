@@ -257,3 +257,8 @@ def test_the_batched_vec_env_pays_each_env_its_own_regret_and_checks_actions():
         envs.step(np.full_like(actions, np.nan))
     with pytest.raises(ValueError, match="group"):
         RankingReplayVecEnv(decisions, 5, group=2)
+
+
+def test_train_ppo_refuses_a_minibatch_larger_than_its_rollout(tmp_path):
+    with pytest.raises(ValueError, match="batch: expected a minibatch of 2 to 512"):
+        train_ppo(synthetic_records(4, 0), synthetic_records(2, 1), tmp_path, envs=8, n_steps=64, batch=1024, **QUIET)

@@ -217,6 +217,9 @@ def train_ppo(records: list[dict], validation: list[dict], out: str | Path, time
     """PPO of a ``RankingPolicy`` on ``records`` (from ``start``'s weights, else from scratch with the training
     features' normalisation; ``group`` > 1: the group-relative reward of ``make_envs``); the best file by validation regret is ``out/ranker.pt`` and ``out/ppo.zip``; TensorBoard
     events, ``metrics.jsonl``, ``summary.json``. ``resume``: continue ``out/last.zip`` to ``timesteps`` in all."""
+    if not 2 <= batch <= envs * n_steps:
+        raise ValueError(f"batch: expected a minibatch of 2 to {envs * n_steps} rankings (envs {envs} x n_steps "
+                         f"{n_steps} per rollout), got {batch}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data, held = Decisions(records), Decisions(validation)

@@ -36,13 +36,16 @@ setups = {
     "RankingReplayVecEnv x 8": lambda: make_envs(decisions, 8, seed=0),
     "RankingReplayVecEnv x 8, group 8": lambda: make_envs(decisions, 8, seed=0, group=8),
     "RankingReplayVecEnv x 64 (n_steps 32)": lambda: make_envs(decisions, 64, seed=0),
+    "RankingReplayVecEnv x 64 (n_steps 32), 1 epoch, batch 2048": lambda: make_envs(decisions, 64, seed=0),
 }
+UPDATES = {"RankingReplayVecEnv x 64 (n_steps 32), 1 epoch, batch 2048": {"n_epochs": 1, "batch_size": 2048}}
 rows = []
 for repeat in range(2):
     for name, make in setups.items():
         envs = make()
         n_steps = 2048 // envs.num_envs
-        model = PPO(RankingPolicy, envs, n_steps=n_steps, batch_size=256, n_epochs=4, gamma=0.0, seed=0, device="cpu")
+        update = UPDATES.get(name, {"n_epochs": 4, "batch_size": 256})
+        model = PPO(RankingPolicy, envs, n_steps=n_steps, gamma=0.0, seed=0, device="cpu", **update)
         model.learn(2048)  # warm-up rollout + update
         start = time.perf_counter()
         model.learn(8192, reset_num_timesteps=False)
