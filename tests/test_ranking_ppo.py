@@ -170,6 +170,11 @@ def test_the_slot_policy_loader_sends_a_ranking_zip_to_the_ranker(tmp_path):
         PPOController.load(path)
 
 
+def _one_by_one_regrets(decisions: Decisions, actions: np.ndarray, rows: list[int]) -> list[float]:
+    """Each env's regret computed alone, row by row (the reference the batched env is checked against)."""
+    return [float(decisions.regret(torch.from_numpy(actions[i : i + 1]), slice(r, r + 1))[0]) for i, r in enumerate(rows)]
+
+
 def test_grouped_envs_show_one_decision_and_pay_each_ranking_against_the_others():
     from agents.ranker.ppo import make_envs
 
@@ -181,8 +186,7 @@ def test_grouped_envs_show_one_decision_and_pay_each_ranking_against_the_others(
     assert np.array_equal(blocks[3], blocks[5]) and not np.array_equal(blocks[0], blocks[3])
     rows = envs.venv.rows.tolist()
     actions = np.random.default_rng(0).normal(size=(6, blocks.shape[1])).astype(np.float32)
-    regret = np.array([float(decisions.regret(torch.from_numpy(actions[i : i + 1]), slice(r, r + 1))[0])
-                       for i, r in enumerate(rows)])
+    regret = np.array(_one_by_one_regrets(decisions, actions, rows))
     following, rewards, dones, infos = envs.step(actions)
     assert dones.all() and [info["regret"] for info in infos] == pytest.approx(regret, abs=1e-6)
     for start in (0, 3):
@@ -247,7 +251,7 @@ def test_the_batched_vec_env_pays_each_env_its_own_regret_and_checks_actions():
         assert np.array_equal(observations["candidates"][i], decisions.candidates[row].float().numpy())
     actions = np.random.default_rng(0).normal(size=(5, observations["blocks"].shape[1])).astype(np.float32)
     _, rewards, dones, infos = envs.step(actions)
-    single = [float(decisions.regret(torch.from_numpy(actions[i : i + 1]), slice(r, r + 1))[0]) for i, r in enumerate(rows)]
+    single = _one_by_one_regrets(decisions, actions, rows)
     assert dones.all() and rewards == pytest.approx([-r for r in single], abs=1e-6)
     assert [info["row"] for info in infos] == rows
     assert np.array_equal(infos[2]["terminal_observation"]["blocks"], observations["blocks"][2])
@@ -257,6 +261,8 @@ def test_the_batched_vec_env_pays_each_env_its_own_regret_and_checks_actions():
         envs.step(np.full_like(actions, np.nan))
     with pytest.raises(ValueError, match="group"):
         RankingReplayVecEnv(decisions, 5, group=2)
+    with pytest.raises(RuntimeError, match="before reset"):
+        RankingReplayVecEnv(decisions, 5, score_bound=SCORE_BOUND).step(actions)
 
 
 def test_train_ppo_refuses_a_minibatch_larger_than_its_rollout(tmp_path):

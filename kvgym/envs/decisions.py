@@ -415,6 +415,15 @@ def load_records(paths: list[Path]) -> list[dict]:
     return records
 
 
+def keep_scores(action, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """``action`` as float32 keep scores of ``shape`` (one per block; per env first when batched), all finite;
+    else a ValueError that names ``name`` and the shape expected."""
+    action = np.asarray(action, np.float32)
+    if action.shape != shape or not np.isfinite(action).all():
+        raise ValueError(f"{name}: expected {shape} finite keep scores (one per block), got shape {action.shape}")
+    return action
+
+
 class RankingReplayEnv(gym.Env):
     """One-step episodes over recorded decisions: observe one layer's blocks, score them, get ``-regret``.
 
@@ -461,10 +470,7 @@ class RankingReplayEnv(gym.Env):
     def step(self, action):
         if self._row is None:
             raise RuntimeError("RankingReplayEnv.step before reset (or after the episode ended): call reset() first")
-        action = np.asarray(action, np.float32)
-        if action.shape != (self.max_blocks,) or not np.isfinite(action).all():
-            raise ValueError(f"action: expected {self.max_blocks} finite keep scores (one per block), "
-                             f"got shape {action.shape}")
+        action = keep_scores(action, (self.max_blocks,), "action")
         width = self.decisions.features.shape[1]
         row, observation = self._row, self._observation()
         regret = float(self.decisions.regret(torch.from_numpy(action[None, :width]), slice(row, row + 1))[0])
@@ -492,6 +498,7 @@ class RankingReplayVecEnv(VecEnv):
         self.rng = np.random.default_rng(seed)
         self.rows = np.zeros(num_envs, np.int64)
         self._actions: np.ndarray | None = None
+        self._observations: dict[str, np.ndarray] | None = None
 
     def _draw(self) -> dict[str, np.ndarray]:
         self.rows = np.repeat(self.rng.integers(len(self.decisions), size=self.num_envs // self.group), self.group)
@@ -504,14 +511,13 @@ class RankingReplayVecEnv(VecEnv):
         return self._observations
 
     def step_async(self, actions: np.ndarray) -> None:
-        self._actions = np.asarray(actions, np.float32)
+        self._actions = actions
 
     def step_wait(self):
-        actions, self._actions = self._actions, None
-        shape = (self.num_envs, *self.action_space.shape)
-        if actions is None or actions.shape != shape or not np.isfinite(actions).all():
-            raise ValueError(f"actions: expected {shape} finite keep scores (one per block per env), got "
-                             f"{None if actions is None else actions.shape}")
+        if self._observations is None:
+            raise RuntimeError("RankingReplayVecEnv.step before reset: call reset() first")
+        actions = keep_scores(self._actions, (self.num_envs, *self.action_space.shape), "actions")
+        self._actions = None
         regret = self.decisions.regret(torch.from_numpy(actions), torch.from_numpy(self.rows)).numpy()
         ended, budget = self._observations, self.decisions.budget[torch.from_numpy(self.rows)].tolist()
         infos = [{"regret": float(regret[i]), "row": int(self.rows[i]), "budget": budget[i],
