@@ -1,0 +1,154 @@
+"""Exploration (not a kvgym command): does a replay target that sees the attention *output* rank the fidelity
+policies as live KL does?
+
+For every sample of a `kvgym ranker fidelity` JSON (same seed, n, tasks, budgets, policies) this recomputes the
+decision point and, in one full-cache forward of the teacher-forced answer, captures each layer's queries, keys
+and values (the queries are the full cache's: each layer is scored in isolation, nothing propagates). For every
+policy's per-layer kept blocks (the same top-b as the replay regret and LiveDecision) it computes, per layer, the
+answer queries' attention output without the dropped blocks, and scores
+
+- ``out_rel``: Σ‖o' − o‖² / Σ‖o‖² over heads and answer queries (the attention output's relative error),
+- ``proj_rel``: the same after the layer's ``o_proj`` (what the layer adds to the residual stream),
+- ``proj_abs``: Σ‖W_o(o' − o)‖² over answer queries, not normalised (later layers weigh by their own scale),
+- ``lost``: the attention mass of the dropped blocks, max over query heads, summed over answer queries,
+  normalised by the layer's context mass (a per-layer lost mass like the regret's, without the oracle),
+- ``contrib`` / ``contrib_max``: additive per block, what a per-block replay target could store: each block's
+  first-order share of the output change, ‖W_o,h Σ_{i∈b} p_i (v_i − o)‖ summed over answer queries, then summed
+  (or max) over heads; the dropped candidates' share of the candidates' total,
+
+each the mean over layers, then the within-episode Spearman against the JSON's live KL.
+
+    python results/ranker_fidelity_value/output_error.py results/ranker_fidelity_value/seed7.json 2
+    python results/ranker_fidelity_value/output_error.py results/ranker_fidelity_value/seed9.json 3
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import numpy as np
+import torch
+from transformers import AttentionInterface
+
+from agents.ranker.model import load_ranker
+from cache.attention import PAGED_ATTENTION, paged_attention_forward
+from cache.models import load_model
+from cache.paged_cache import CacheConfig
+from cache.runner import Runner
+from eval.ranking_fidelity import FEATURE_POLICIES, feature_score, random_score
+from eval.replay_compare import spearman
+from eval.tasks import generate
+from eval.tasks.prompt import build_prompt
+from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
+from kvgym.envs.ranking import RANK_FEATURES
+
+source, n = sys.argv[1], int(sys.argv[2])
+data = json.load(open(source))
+live = {(r["sample"], r["budget"], r["policy"]): r["live_kl"] for r in data["rows"]}
+budgets = sorted({r["budget"] for r in data["rows"]})
+ranker, _ = load_ranker("policies/ranker_smollm2.pt")
+policies = {"ranker:policies/ranker_smollm2.pt": lambda f: ranker(f.float())[0],
+            **{name: feature_score(c) for name, c in FEATURE_POLICIES.items()}, "random": random_score(0)}
+loaded = load_model(data["model"])
+model, tok = loaded.model, loaded.tokenizer
+eos = {int(tok.eos_token_id)}
+captured = {}
+
+
+def capturing(module, query, key, value, attention_mask, *args, **kwargs):
+    captured[module.layer_idx] = (query[0].float(), key[0].float(), value[0].float())
+    return paged_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def kept_mask(scores, d):
+    """[L, N] bool: pinned valid blocks and each layer's top-room candidates (Decisions' own rule)."""
+    order = torch.sort(torch.where(d.candidates, scores.float(), torch.tensor(-torch.inf)), dim=-1,
+                       descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+    top = d.candidates & (ranks < d.room[:, None])
+    return top
+
+
+layers_out = model.model.layers
+rows = []
+for task in data["tasks"]:
+    for index in range(n):
+        sample = generate(task, tok, data["length"], seed=data["seed"], index=index)
+        prompt = build_prompt(tok, sample, True)
+        runner = Runner(model, None, CacheConfig(block_size=16), protocol="oneshot-question")
+        shared = runner.dense_prefill(prompt, min(sample.max_new_tokens, 24))
+        record = decision_point(model, prompt, min(sample.max_new_tokens, 24), eos_ids=eos, shared=shared)
+        decision = LiveDecision(model, prompt, shared, record["answer"].tolist())
+        AttentionInterface.register(PAGED_ATTENTION, capturing)
+        try:
+            decision._log_probs(shared.cache.clone())
+        finally:
+            AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
+        context = shared.dense_end
+        num_blocks = record["features"].shape[1]
+        assert num_blocks == -(-context // 16), (num_blocks, context)
+        block_of = torch.arange(context) // 16
+        full, contrib = {}, {}
+        for layer, (q, k, v) in captured.items():
+            heads, q_len, dim = q.shape
+            group = heads // k.shape[0]
+            kk, vv = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            s = q @ kk.transpose(-1, -2) * dim ** -0.5  # [H, Q, T]
+            t = k.shape[1]
+            causal = torch.arange(t)[None] <= (t - q_len) + torch.arange(q_len)[:, None]
+            s = s.masked_fill(~causal, -torch.inf)
+            o = torch.softmax(s, -1) @ vv
+            w = layers_out[layer].self_attn.o_proj.weight.float()
+            full[layer] = (s, vv, o, w, torch.softmax(s, -1)[..., :context])
+            # each block's own contribution to each head's output change if it alone were dropped (first order):
+            # c_b = sum_{i in b} p_i (v_i - o), through the head's slice of o_proj; its norm summed over queries
+            p = torch.nn.functional.pad(torch.softmax(s, -1)[..., :context], (0, num_blocks * 16 - context))
+            p = p.reshape(heads, q_len, num_blocks, 16)
+            vb = torch.nn.functional.pad(vv[:, :context], (0, 0, 0, num_blocks * 16 - context))
+            vb = vb.reshape(heads, num_blocks, 16, dim)
+            c = torch.einsum("hqnt,hntd->hqnd", p, vb) - p.sum(-1)[..., None] * o[:, :, None, :]
+            w_heads = w.reshape(w.shape[0], heads, dim).permute(1, 2, 0)  # [H, d, hidden]
+            contrib[layer] = torch.stack([(c[h] @ w_heads[h]).norm(dim=-1).sum(0) for h in range(heads)])  # [H, N]
+        for budget in budgets:
+            d = Decisions([record], budgets=(budget,))
+            pinned_valid = ~d.candidates & (d.features[..., RANK_FEATURES.index("valid")] > 0)
+            for name, score in policies.items():
+                scores = score(d.features)
+                keep = kept_mask(scores, d) | pinned_valid  # [L, N]
+                per = {"out_rel": [], "proj_rel": [], "proj_abs": [], "lost": [], "contrib": [], "contrib_max": []}
+                for layer, (s, vv, o, w, p_ctx) in full.items():
+                    dropped_blocks = d.candidates[layer] & ~keep[layer]
+                    for m, c in (("contrib", contrib[layer].sum(0)), ("contrib_max", contrib[layer].amax(0))):
+                        per[m].append(float(c[dropped_blocks].sum() / c[d.candidates[layer]].sum()))
+                    token_keep = torch.cat([keep[layer][block_of], torch.ones(s.shape[-1] - context, dtype=torch.bool)])
+                    o2 = torch.softmax(s.masked_fill(~token_keep, -torch.inf), -1) @ vv
+                    delta = o2 - o
+                    per["out_rel"].append(float(delta.pow(2).sum() / o.pow(2).sum()))
+                    cat = lambda x: x.permute(1, 0, 2).reshape(x.shape[1], -1)  # [Q, H*d]
+                    pd, po = cat(delta) @ w.T, cat(o) @ w.T
+                    per["proj_rel"].append(float(pd.pow(2).sum() / po.pow(2).sum()))
+                    per["proj_abs"].append(float(pd.pow(2).sum()))
+                    dropped = ~keep[layer][block_of]
+                    lost = (p_ctx[..., dropped].sum(-1)).amax(0).sum() / p_ctx.sum(-1).amax(0).sum()
+                    per["lost"].append(float(lost))
+                key = (f"{task}/{index}", budget, name)
+                rows.append({"sample": key[0], "budget": budget, "policy": name, "live_kl": live[key],
+                             "replay_regret": float(d.regret(scores).mean()),
+                             **{m: float(np.mean(x)) for m, x in per.items()},
+                             **{f"{m}_layers": x for m, x in per.items()}})
+        print(task, index, flush=True)
+
+metrics = ["replay_regret", "out_rel", "proj_rel", "proj_abs", "lost", "contrib", "contrib_max"]
+episodes = {}
+for row in rows:
+    episodes.setdefault((row["sample"], row["budget"]), []).append(row)
+summary = {}
+for m in metrics:
+    rhos = [spearman([r[m] for r in g], [r["live_kl"] for r in g]) for g in episodes.values()]
+    summary[m] = {"mean": float(np.mean(rhos)), "min": float(np.min(rhos)), "n_ge_0.8": int(sum(r >= 0.8 for r in rhos)),
+                  "episodes": len(rhos)}
+    print(f"{m:14s} mean {np.mean(rhos):.3f} min {np.min(rhos):.2f} >=0.8 {sum(r >= 0.8 for r in rhos)}/{len(rhos)}")
+out = os.path.join(os.path.dirname(source), f"output_error_seed{data['seed']}.json")
+json.dump({"source": source, "summary": summary, "rows": rows}, open(out, "w"))
+print("wrote", out)
