@@ -35,8 +35,7 @@ from cache.attention import PAGED_ATTENTION, paged_attention_forward
 from cache.models import load_model
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner
-from eval.ranking_fidelity import FEATURE_POLICIES, feature_score, random_score
-from eval.replay_compare import spearman
+from eval.ranking_fidelity import FEATURE_POLICIES, feature_score, fidelity_summary, random_score
 from eval.tasks import generate
 from eval.tasks.prompt import build_prompt
 from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
@@ -70,6 +69,11 @@ def kept_mask(scores, d):
     return top
 
 
+def heads_concatenated(x):
+    """[H, Q, d] → [Q, H*d]: the input of ``o_proj``."""
+    return x.permute(1, 0, 2).reshape(x.shape[1], -1)
+
+
 layers_out = model.model.layers
 rows = []
 for task in data["tasks"]:
@@ -98,12 +102,13 @@ for task in data["tasks"]:
             t = k.shape[1]
             causal = torch.arange(t)[None] <= (t - q_len) + torch.arange(q_len)[:, None]
             s = s.masked_fill(~causal, -torch.inf)
-            o = torch.softmax(s, -1) @ vv
+            probs = torch.softmax(s, -1)
+            o = probs @ vv
             w = layers_out[layer].self_attn.o_proj.weight.float()
-            full[layer] = (s, vv, o, w, torch.softmax(s, -1)[..., :context])
+            full[layer] = (s, vv, o, w, probs[..., :context])
             # each block's own contribution to each head's output change if it alone were dropped (first order):
             # c_b = sum_{i in b} p_i (v_i - o), through the head's slice of o_proj; its norm summed over queries
-            p = torch.nn.functional.pad(torch.softmax(s, -1)[..., :context], (0, num_blocks * 16 - context))
+            p = torch.nn.functional.pad(probs[..., :context], (0, num_blocks * 16 - context))
             p = p.reshape(heads, q_len, num_blocks, 16)
             vb = torch.nn.functional.pad(vv[:, :context], (0, 0, 0, num_blocks * 16 - context))
             vb = vb.reshape(heads, num_blocks, 16, dim)
@@ -125,8 +130,7 @@ for task in data["tasks"]:
                     o2 = torch.softmax(s.masked_fill(~token_keep, -torch.inf), -1) @ vv
                     delta = o2 - o
                     per["out_rel"].append(float(delta.pow(2).sum() / o.pow(2).sum()))
-                    cat = lambda x: x.permute(1, 0, 2).reshape(x.shape[1], -1)  # [Q, H*d]
-                    pd, po = cat(delta) @ w.T, cat(o) @ w.T
+                    pd, po = heads_concatenated(delta) @ w.T, heads_concatenated(o) @ w.T
                     per["proj_rel"].append(float(pd.pow(2).sum() / po.pow(2).sum()))
                     per["proj_abs"].append(float(pd.pow(2).sum()))
                     dropped = ~keep[layer][block_of]
@@ -140,15 +144,13 @@ for task in data["tasks"]:
         print(task, index, flush=True)
 
 metrics = ["replay_regret", "out_rel", "proj_rel", "proj_abs", "lost", "contrib", "contrib_max"]
-episodes = {}
-for row in rows:
-    episodes.setdefault((row["sample"], row["budget"]), []).append(row)
 summary = {}
 for m in metrics:
-    rhos = [spearman([r[m] for r in g], [r["live_kl"] for r in g]) for g in episodes.values()]
-    summary[m] = {"mean": float(np.mean(rhos)), "min": float(np.min(rhos)), "n_ge_0.8": int(sum(r >= 0.8 for r in rhos)),
-                  "episodes": len(rhos)}
-    print(f"{m:14s} mean {np.mean(rhos):.3f} min {np.min(rhos):.2f} >=0.8 {sum(r >= 0.8 for r in rhos)}/{len(rhos)}")
+    table = fidelity_summary(rows, m)
+    above = sum(e["spearman"] >= 0.8 for e in table["episodes"])
+    summary[m] = {"mean": table["mean_spearman"], "min": table["min_spearman"], "n_ge_0.8": above,
+                  "episodes": len(table["episodes"])}
+    print(f"{m:14s} mean {table['mean_spearman']:.3f} min {table['min_spearman']:.2f} >=0.8 {above}/{len(table['episodes'])}")
 out = os.path.join(os.path.dirname(source), f"output_error_seed{data['seed']}.json")
 json.dump({"source": source, "summary": summary, "rows": rows}, open(out, "w"))
 print("wrote", out)
