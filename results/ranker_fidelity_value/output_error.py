@@ -42,6 +42,7 @@ from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
 from kvgym.envs.ranking import RANK_FEATURES
 
 source, n = sys.argv[1], int(sys.argv[2])
+SKETCH = int(sys.argv[3]) if len(sys.argv) > 3 else 64  # the random projection's width (per layer and block)
 data = json.load(open(source))
 live = {(r["sample"], r["budget"], r["policy"]): r["live_kl"] for r in data["rows"]}
 budgets = sorted({r["budget"] for r in data["rows"]})
@@ -74,6 +75,8 @@ def heads_concatenated(x):
     return x.permute(1, 0, 2).reshape(x.shape[1], -1)
 
 
+LINEAR = ("exact_check", "lin", "lin_layer_denom", "lin_head_denom", "sketch", "sketch_layer_denom",
+          "sketch_head_denom")
 layers_out = model.model.layers
 rows = []
 for task in data["tasks"]:
@@ -93,7 +96,7 @@ for task in data["tasks"]:
         num_blocks = record["features"].shape[1]
         assert num_blocks == -(-context // 16), (num_blocks, context)
         block_of = torch.arange(context) // 16
-        full, contrib = {}, {}
+        full, contrib, sketches = {}, {}, {}
         for layer, (q, k, v) in captured.items():
             heads, q_len, dim = q.shape
             group = heads // k.shape[0]
@@ -114,14 +117,19 @@ for task in data["tasks"]:
             vb = vb.reshape(heads, num_blocks, 16, dim)
             c = torch.einsum("hqnt,hntd->hqnd", p, vb) - p.sum(-1)[..., None] * o[:, :, None, :]
             w_heads = w.reshape(w.shape[0], heads, dim).permute(1, 2, 0)  # [H, d, hidden]
-            contrib[layer] = torch.stack([(c[h] @ w_heads[h]).norm(dim=-1).sum(0) for h in range(heads)])  # [H, N]
+            wc = torch.einsum("hqnd,hdk->hqnk", c, w_heads)  # [H, Q, N, hidden]: each block's term through o_proj
+            contrib[layer] = wc.norm(dim=-1).sum(1)  # [H, N]
+            mass = p.sum(-1)  # [H, Q, N]
+            gen = torch.Generator().manual_seed(layer)
+            sketch = torch.randn(q_len * wc.shape[-1], SKETCH, generator=gen) / SKETCH ** 0.5
+            sketches[layer] = (wc, mass, torch.einsum("hqnk,qkr->hnr", wc, sketch.reshape(q_len, -1, SKETCH)))
         for budget in budgets:
             d = Decisions([record], budgets=(budget,))
             pinned_valid = ~d.candidates & (d.features[..., RANK_FEATURES.index("valid")] > 0)
             for name, score in policies.items():
                 scores = score(d.features)
                 keep = kept_mask(scores, d) | pinned_valid  # [L, N]
-                per = {"out_rel": [], "proj_rel": [], "proj_abs": [], "lost": [], "contrib": [], "contrib_max": []}
+                per = {m: [] for m in ("out_rel", "proj_rel", "proj_abs", "lost", "contrib", "contrib_max", *LINEAR)}
                 for layer, (s, vv, o, w, p_ctx) in full.items():
                     dropped_blocks = d.candidates[layer] & ~keep[layer]
                     for m, c in (("contrib", contrib[layer].sum(0)), ("contrib_max", contrib[layer].amax(0))):
@@ -136,6 +144,18 @@ for task in data["tasks"]:
                     dropped = ~keep[layer][block_of]
                     lost = (p_ctx[..., dropped].sum(-1)).amax(0).sum() / p_ctx.sum(-1).amax(0).sum()
                     per["lost"].append(float(lost))
+                    wc, mass, sk = sketches[layer]
+                    dropped_mass = (mass * dropped_blocks).sum(-1)  # [H, Q]
+                    summed = torch.einsum("hqnk,n->hqk", wc, dropped_blocks.float())  # [H, Q, hidden]
+                    per["exact_check"].append(float((summed / (1 - dropped_mass)[..., None]).sum(0).pow(2).sum()))
+                    per["lin"].append(float(summed.sum(0).pow(2).sum()))
+                    per["lin_layer_denom"].append(per["lin"][-1] / float(1 - dropped_mass.mean()) ** 2)
+                    head_denom = 1 - dropped_mass.mean(1)  # [H]
+                    per["lin_head_denom"].append(float((summed / head_denom[:, None, None]).sum(0).pow(2).sum()))
+                    sk_d = torch.einsum("hnr,n->hr", sk, dropped_blocks.float())  # [H, r]
+                    per["sketch"].append(float(sk_d.sum(0).pow(2).sum()))
+                    per["sketch_layer_denom"].append(per["sketch"][-1] / float(1 - dropped_mass.mean()) ** 2)
+                    per["sketch_head_denom"].append(float((sk_d / head_denom[:, None]).sum(0).pow(2).sum()))
                 key = (f"{task}/{index}", budget, name)
                 rows.append({"sample": key[0], "budget": budget, "policy": name, "live_kl": live[key],
                              "replay_regret": float(d.regret(scores).mean()),
@@ -143,7 +163,7 @@ for task in data["tasks"]:
                              **{f"{m}_layers": x for m, x in per.items()}})
         print(task, index, flush=True)
 
-metrics = ["replay_regret", "out_rel", "proj_rel", "proj_abs", "lost", "contrib", "contrib_max"]
+metrics = ["replay_regret", "out_rel", "proj_rel", "proj_abs", "lost", "contrib", "contrib_max", *LINEAR]
 summary = {}
 for m in metrics:
     table = fidelity_summary(rows, m)
@@ -151,6 +171,6 @@ for m in metrics:
     summary[m] = {"mean": table["mean_spearman"], "min": table["min_spearman"], "n_ge_0.8": above,
                   "episodes": len(table["episodes"])}
     print(f"{m:14s} mean {table['mean_spearman']:.3f} min {table['min_spearman']:.2f} >=0.8 {above}/{len(table['episodes'])}")
-out = os.path.join(os.path.dirname(source), f"output_error_seed{data['seed']}.json")
+out = os.path.join(os.path.dirname(source), f"output_sketch{SKETCH}_seed{data['seed']}.json")
 json.dump({"source": source, "summary": summary, "rows": rows}, open(out, "w"))
 print("wrote", out)

@@ -1,0 +1,152 @@
+"""Exploration (not a kvgym command): a **storable** output-aware replay target, the first-order effect of each
+dropped block on the answer's next-token distributions, through every later layer.
+
+For every sample of a `kvgym ranker fidelity` JSON this recomputes the decision point and runs the teacher-forced
+answer once with gradients: for each of the ``top`` most likely tokens ``y`` at each answer position ``q`` (the
+full cache's distribution ``p``), the gradient ``g`` of ``log p(y)`` with respect to every layer's attention
+contribution to the residual stream (``o_proj``'s output; a total derivative: through all later layers and later
+answer positions). Dropping block ``b`` of layer ``l`` changes that layer's attention output, to first order and
+without softmax renormalisation, by ``-c_b = -Σ_{i∈b} p_i (v_i - o)`` per head; its effect on ``log p(y)`` is
+``a[l, b, q, y] = -sqrt(p_y) g · W_o c_b`` — one number per (layer, block, position, token): ~0.7 MB per decision
+point at top 4, what a trace can store. A ranking's predicted KL is then Fisher's quadratic form
+
+- ``fisher``: ½ · mean over q of Σ_y (Σ_l Σ_{b dropped in l} a[l, b, q, y])² (the layers' effects add up first),
+- ``fisher_layers``: the same with each layer's square taken apart (cross-layer cancellation ignored),
+- ``answer``: top 1 only (the full cache's own answer token; the empirical Fisher),
+
+each compared, within episode, with the JSON's live KL (as output_error.py does with its per-layer measures).
+
+    python results/ranker_fidelity_value/output_grad.py results/ranker_fidelity_value/seed7.json 2
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from transformers import AttentionInterface
+
+from agents.ranker.model import load_ranker
+from cache.attention import PAGED_ATTENTION, paged_attention_forward
+from cache.models import load_model
+from cache.paged_cache import CacheConfig
+from cache.runner import Runner
+from eval.ranking_fidelity import FEATURE_POLICIES, feature_score, fidelity_summary, random_score
+from eval.tasks import generate
+from eval.tasks.prompt import build_prompt
+from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
+from kvgym.envs.ranking import RANK_FEATURES
+
+source, n = sys.argv[1], int(sys.argv[2])
+TOP = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+data = json.load(open(source))
+live = {(r["sample"], r["budget"], r["policy"]): r["live_kl"] for r in data["rows"]}
+budgets = sorted({r["budget"] for r in data["rows"]})
+ranker, _ = load_ranker("policies/ranker_smollm2.pt")
+policies = {"ranker:policies/ranker_smollm2.pt": lambda f: ranker(f.float())[0],
+            **{name: feature_score(c) for name, c in FEATURE_POLICIES.items()}, "random": random_score(0)}
+loaded = load_model(data["model"])
+model, tok = loaded.model, loaded.tokenizer
+for parameter in model.parameters():
+    parameter.requires_grad_(False)
+eos = {int(tok.eos_token_id)}
+layers = model.model.layers
+captured, probes = {}, {}
+
+
+def capturing(module, query, key, value, attention_mask, *args, **kwargs):
+    captured[module.layer_idx] = (query[0].detach().float(), key[0].detach().float(), value[0].detach().float())
+    return paged_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def probe(layer):
+    """o_proj's output plus a zero leaf: the leaf's gradient is the total derivative at that output."""
+    def hook(module, inputs, output):
+        probes[layer] = torch.zeros_like(output, requires_grad=True)
+        return output + probes[layer]
+    return hook
+
+
+def kept_mask(scores, d):
+    """[L, N] bool: each layer's top-room candidates (Decisions' own rule)."""
+    order = torch.sort(torch.where(d.candidates, scores.float(), torch.tensor(-torch.inf)), dim=-1,
+                       descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+    return d.candidates & (ranks < d.room[:, None])
+
+
+rows = []
+for task in data["tasks"]:
+    for index in range(n):
+        sample = generate(task, tok, data["length"], seed=data["seed"], index=index)
+        prompt = build_prompt(tok, sample, True)
+        runner = Runner(model, None, CacheConfig(block_size=16), protocol="oneshot-question")
+        shared = runner.dense_prefill(prompt, min(sample.max_new_tokens, 24))
+        record = decision_point(model, prompt, min(sample.max_new_tokens, 24), eos_ids=eos, shared=shared)
+        decision = LiveDecision(model, prompt, shared, record["answer"].tolist())
+        hooks = [layers[i].self_attn.o_proj.register_forward_hook(probe(i)) for i in range(len(layers))]
+        AttentionInterface.register(PAGED_ATTENTION, capturing)
+        try:
+            with torch.enable_grad():
+                logits = model(input_ids=decision.fed, cache=shared.cache.clone(), use_cache=True,
+                               logits_to_keep=0).logits[0].float()
+                log_p = torch.log_softmax(logits, -1)  # [Q, V]
+                top_p, top_y = log_p.detach().exp().topk(TOP, dim=-1)  # [Q, k]
+                grads = []  # per token rank k: {layer: [Q, hidden]}
+                for k in range(TOP):
+                    chosen = log_p.gather(-1, top_y[:, k:k + 1]).sum()
+                    g = torch.autograd.grad(chosen, [probes[i] for i in range(len(layers))], retain_graph=k < TOP - 1)
+                    grads.append([x[0] for x in g])
+        finally:
+            AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
+            for h in hooks:
+                h.remove()
+        context = shared.dense_end
+        num_blocks = record["features"].shape[1]
+        pad = num_blocks * 16 - context
+        effect = []  # [L] of [N, Q, k]
+        for layer in range(len(layers)):
+            q, k_, v = captured[layer]
+            heads, q_len, dim = q.shape
+            group = heads // k_.shape[0]
+            kk, vv = k_.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            s = q @ kk.transpose(-1, -2) * dim ** -0.5
+            t = k_.shape[1]
+            causal = torch.arange(t)[None] <= (t - q_len) + torch.arange(q_len)[:, None]
+            probs = torch.softmax(s.masked_fill(~causal, -torch.inf), -1)
+            o = probs @ vv
+            p = torch.nn.functional.pad(probs[..., :context], (0, pad)).reshape(heads, q_len, num_blocks, 16)
+            vb = torch.nn.functional.pad(vv[:, :context], (0, 0, 0, pad)).reshape(heads, num_blocks, 16, dim)
+            c = torch.einsum("hqnt,hntd->hqnd", p, vb) - p.sum(-1)[..., None] * o[:, :, None, :]
+            w = layers[layer].self_attn.o_proj.weight.float()  # [hidden, H*d]
+            g = torch.stack([grads[k][layer] for k in range(TOP)], -1)  # [Q, hidden, k]
+            gw = torch.einsum("qck,chd->qhdk", g, w.reshape(w.shape[0], heads, dim))  # gradient at each head's output
+            a = -torch.einsum("hqnd,qhdk->nqk", c, gw) * top_p.sqrt()[None]
+            effect.append(a)
+        effect = torch.stack(effect)  # [L, N, Q, k]
+        for budget in budgets:
+            d = Decisions([record], budgets=(budget,))
+            pinned_valid = ~d.candidates & (d.features[..., RANK_FEATURES.index("valid")] > 0)
+            for name, score in policies.items():
+                keep = kept_mask(score(d.features), d) | pinned_valid
+                dropped = (d.candidates & ~keep).float()  # [L, N]
+                per_layer = torch.einsum("lnqk,ln->lqk", effect, dropped)  # [L, Q, k]
+                key = (f"{task}/{index}", budget, name)
+                rows.append({"sample": key[0], "budget": budget, "policy": name, "live_kl": live[key],
+                             "replay_regret": float(d.regret(score(d.features)).mean()),
+                             "fisher": float(0.5 * per_layer.sum(0).pow(2).sum(-1).mean()),
+                             "fisher_layers": float(0.5 * per_layer.pow(2).sum(-1).mean(-1).sum()),
+                             "answer": float(0.5 * per_layer[..., 0].sum(0).pow(2).mean())})
+        print(task, index, flush=True)
+
+summary = {}
+for m in ("replay_regret", "fisher", "fisher_layers", "answer"):
+    table = fidelity_summary(rows, m)
+    above = sum(e["spearman"] >= 0.8 for e in table["episodes"])
+    summary[m] = {"mean": table["mean_spearman"], "min": table["min_spearman"], "n_ge_0.8": above,
+                  "episodes": len(table["episodes"])}
+    print(f"{m:14s} mean {table['mean_spearman']:.3f} min {table['min_spearman']:.2f} >=0.8 {above}/{len(table['episodes'])}")
+out = os.path.join(os.path.dirname(source), f"output_grad_top{TOP}_seed{data['seed']}.json")
+json.dump({"source": source, "top": TOP, "summary": summary, "rows": rows}, open(out, "w"))
+print("wrote", out)
