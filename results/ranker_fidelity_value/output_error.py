@@ -16,10 +16,19 @@ answer queries' attention output without the dropped blocks, and scores
   first-order share of the output change, ‖W_o,h Σ_{i∈b} p_i (v_i − o)‖ summed over answer queries, then summed
   (or max) over heads; the dropped candidates' share of the candidates' total,
 
-each the mean over layers, then the within-episode Spearman against the JSON's live KL.
+each the mean over layers, then the within-episode Spearman against the JSON's live KL. Then what a record could
+store of the exact change (``o' − o = −Σ_{b∈D} c_b / (1 − P_D)`` per head, ``c_b = Σ_{i∈b} p_i (v_i − o)``):
+
+- ``exact_check``: that formula through ``o_proj`` (must equal ``proj_abs``: the algebra's check),
+- ``lin``: Σ_q ‖Σ_h Σ_{b∈D} W_o,h c_b‖², no renormalisation; ``lin_layer_denom`` / ``lin_head_denom``: divided by
+  the layer's / each head's mean (1 − P_D) over the answer queries,
+- ``sketch*``: the same three from a random projection (width ``SKETCH``, the third argument, default 64) of each
+  block's vector over answer queries × hidden: ``[L, N, SKETCH]`` (per head: ``[L, H, N, SKETCH]``) per record.
+
+Writes ``output_sketch{SKETCH}_seed{seed}.json`` beside the source.
 
     python results/ranker_fidelity_value/output_error.py results/ranker_fidelity_value/seed7.json 2
-    python results/ranker_fidelity_value/output_error.py results/ranker_fidelity_value/seed9.json 3
+    python results/ranker_fidelity_value/output_error.py results/ranker_fidelity_value/seed9.json 3 256
 """
 import json
 import os
