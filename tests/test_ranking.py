@@ -27,7 +27,7 @@ from kvgym.envs.decisions import (
     target_heads,
 )
 from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top, within_layer_rank
-from kvgym.envs.reward import ranking_regret
+from kvgym.envs.reward import kept_by_ranking, ranking_regret
 from tests.test_baselines_common import Checked
 
 PROMPT = torch.randint(2, 256, (1, 200), generator=torch.Generator().manual_seed(0))
@@ -59,6 +59,25 @@ def test_ranking_regret_matches_brute_force_and_rejects_a_wrong_ranking():
     assert float(ranking_regret(mass, mass, torch.tensor([2]), everyone)) == 0.0  # the oracle's own ranking
     wrong = float(ranking_regret(-mass, mass, torch.tensor([2]), everyone))  # negative control: the reverse
     assert wrong == pytest.approx((8.0 - 0.5) / 9.5)
+
+
+def test_kept_by_ranking_keeps_exactly_the_top_room_candidates():
+    generator = torch.Generator().manual_seed(2)
+    scores = torch.randn(50, 10, generator=generator).round(decimals=1)  # ties happen
+    candidates = torch.rand(50, 10, generator=generator) > 0.3
+    room = torch.randint(0, 10, (50,), generator=generator)
+    kept = kept_by_ranking(scores, room, candidates)
+    for row in range(50):
+        index = [i for i in range(10) if candidates[row, i]]
+        want = sorted(index, key=lambda i: -float(scores[row, i]))[: int(room[row])]  # stable: ties in block order
+        assert torch.nonzero(kept[row]).flatten().tolist() == sorted(want)
+    assert not (kept & ~candidates).any() and (kept.sum(-1) == torch.minimum(room, candidates.sum(-1))).all()
+    mass = torch.rand(50, 10, generator=generator)  # the regret is the mass the kept set misses against the oracle
+    missed = torch.where(candidates & ~kept, mass, 0.0).sum(-1) - torch.where(
+        candidates & ~kept_by_ranking(mass, room, candidates), mass, 0.0).sum(-1)
+    total = torch.where(candidates, mass, 0.0).sum(-1)
+    assert torch.allclose(ranking_regret(scores, mass, room, candidates), (missed / total.clamp(min=1e-12)).clamp(min=0))
+    assert not torch.equal(kept_by_ranking(-scores, room, candidates), kept)  # negative control: the reverse ranking
 
 
 # ------------------------------------------------------------------------------------------ the action
@@ -136,6 +155,9 @@ def test_load_records_expands_streaming_states_with_their_own_future(tmp_path):
     decisions = Decisions(records)
     assert len(decisions) == 2 * (len(BUDGETS) + 3)  # 2 layers: every budget, then each streaming state's own
     assert (decisions.budget[2 * len(BUDGETS):] == 0.25).all()
+    kept = decisions.kept(torch.randn(decisions.candidates.shape, generator=torch.Generator().manual_seed(0)))
+    assert not (kept & ~decisions.candidates).any()
+    assert torch.equal(kept.sum(-1), torch.minimum(decisions.room, decisions.candidates.sum(-1)))
 
 
 def test_keep_top_keeps_the_best_scores_and_the_pinned_blocks(tiny_model):

@@ -61,7 +61,7 @@ from kvgym.envs.ranking import (
     keep_top,
     policy_features,
 )
-from kvgym.envs.reward import ranking_regret
+from kvgym.envs.reward import kept_by_ranking, ranking_regret
 
 BUDGETS = (0.125, 0.25, 0.5)
 
@@ -384,6 +384,10 @@ class Decisions:
 
     def __len__(self) -> int:
         return int(self.room.shape[0])
+
+    def kept(self, scores: torch.Tensor, rows=slice(None)) -> torch.Tensor:
+        """``[R, N]`` bool: the candidates the top-b of ``scores`` keeps (the pinned blocks are kept besides)."""
+        return kept_by_ranking(scores, self.room[rows], self.candidates[rows])
 
     def regret(self, scores: torch.Tensor, rows=slice(None)) -> torch.Tensor:
         return ranking_regret(scores, self.mass[rows], self.room[rows], self.candidates[rows])

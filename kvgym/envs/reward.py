@@ -31,22 +31,28 @@ def reward(terms: dict[str, float]) -> float:
     return float(sum(terms[name] for name in REWARD_TERMS))
 
 
+def kept_by_ranking(scores, room, candidates) -> torch.Tensor:
+    """``[..., N]`` bool: the top-``room`` ``scores`` among ``candidates``, what the ranking action keeps on device
+    besides the pinned blocks (ties keep block order; non-candidates never kept). ``scores`` ``[..., N]``, ``room``
+    ``[...]`` ints, ``candidates`` ``[..., N]`` bool."""
+    order = torch.sort(torch.where(candidates, scores.float(), torch.tensor(-torch.inf)), dim=-1, descending=True,
+                       stable=True).indices
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+    return candidates & (ranks < torch.as_tensor(room)[..., None])
+
+
 def ranking_regret(scores, future_mass, room, candidates):
     """The regret of keeping the top-``room`` ``scores`` among ``candidates`` (the ranking action,
-    ``kvgym.envs.ranking``), exact from a trace: the future attention mass of the candidates left off the device,
-    **minus what the future-attention oracle (keeping the ``room`` candidates of largest future mass) leaves
-    off from the same state**, divided by the candidates' total future mass, so samples and budgets compare
-    (0 = the oracle's choice, 1 = everything lost). Batched: ``scores``, ``future_mass`` ``[..., N]`` torch
-    tensors, ``room`` ``[...]`` ints (blocks to keep besides the pinned ones), ``candidates`` ``[..., N]`` bool;
-    returns ``[...]``."""
+    ``kvgym.envs.ranking``; ``kept_by_ranking``), exact from a trace: the future attention mass of the candidates
+    left off the device, **minus what the future-attention oracle (keeping the ``room`` candidates of largest
+    future mass) leaves off from the same state**, divided by the candidates' total future mass, so samples and
+    budgets compare (0 = the oracle's choice, 1 = everything lost). Batched: ``scores``, ``future_mass``
+    ``[..., N]`` torch tensors, ``room`` ``[...]`` ints (blocks to keep besides the pinned ones), ``candidates``
+    ``[..., N]`` bool; returns ``[...]``."""
     mass = torch.where(candidates, future_mass.float().clamp(min=0), torch.zeros(()))
     total = mass.sum(dim=-1)
-    ranks = torch.arange(mass.shape[-1]).expand_as(mass)
-    room = torch.as_tensor(room)[..., None]
 
     def kept(values: torch.Tensor) -> torch.Tensor:
-        order = torch.sort(torch.where(candidates, values.float(), torch.tensor(-torch.inf)), dim=-1,
-                           descending=True, stable=True).indices
-        return torch.gather(mass, -1, order).masked_fill(ranks >= room, 0.0).sum(dim=-1)
+        return torch.where(kept_by_ranking(values, room, candidates), mass, 0.0).sum(dim=-1)
 
     return ((kept(future_mass) - kept(scores)) / total.clamp(min=1e-12)).clamp(min=0.0)  # >= 0 up to rounding

@@ -69,16 +69,6 @@ def capturing(module, query, key, value, attention_mask, *args, **kwargs):
     return paged_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
 
-def kept_mask(scores, d):
-    """[L, N] bool: pinned valid blocks and each layer's top-room candidates (Decisions' own rule)."""
-    order = torch.sort(torch.where(d.candidates, scores.float(), torch.tensor(-torch.inf)), dim=-1,
-                       descending=True, stable=True).indices
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
-    top = d.candidates & (ranks < d.room[:, None])
-    return top
-
-
 def heads_concatenated(x):
     """[H, Q, d] → [Q, H*d]: the input of ``o_proj``."""
     return x.permute(1, 0, 2).reshape(x.shape[1], -1)
@@ -137,7 +127,7 @@ for task in data["tasks"]:
             pinned_valid = ~d.candidates & (d.features[..., RANK_FEATURES.index("valid")] > 0)
             for name, score in policies.items():
                 scores = score(d.features)
-                keep = kept_mask(scores, d) | pinned_valid  # [L, N]
+                keep = d.kept(scores) | pinned_valid  # [L, N]
                 per = {m: [] for m in ("out_rel", "proj_rel", "proj_abs", "lost", "contrib", "contrib_max", *LINEAR)}
                 for layer, (s, vv, o, w, p_ctx) in full.items():
                     dropped_blocks = d.candidates[layer] & ~keep[layer]

@@ -67,15 +67,6 @@ def probe(layer):
     return hook
 
 
-def kept_mask(scores, d):
-    """[L, N] bool: each layer's top-room candidates (Decisions' own rule)."""
-    order = torch.sort(torch.where(d.candidates, scores.float(), torch.tensor(-torch.inf)), dim=-1,
-                       descending=True, stable=True).indices
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
-    return d.candidates & (ranks < d.room[:, None])
-
-
 rows = []
 for task in data["tasks"]:
     for index in range(n):
@@ -129,7 +120,7 @@ for task in data["tasks"]:
             d = Decisions([record], budgets=(budget,))
             pinned_valid = ~d.candidates & (d.features[..., RANK_FEATURES.index("valid")] > 0)
             for name, score in policies.items():
-                keep = kept_mask(score(d.features), d) | pinned_valid
+                keep = d.kept(score(d.features)) | pinned_valid
                 dropped = (d.candidates & ~keep).float()  # [L, N]
                 per_layer = torch.einsum("lnqk,ln->lqk", effect, dropped)  # [L, Q, k]
                 key = (f"{task}/{index}", budget, name)
