@@ -37,36 +37,19 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
-from transformers import AttentionInterface
+from common import block_terms, capturing_qkv, decision_points, fidelity_policies, load_fidelity
 
-from agents.ranker.model import load_ranker
-from cache.attention import PAGED_ATTENTION, paged_attention_forward
 from cache.models import load_model
-from cache.paged_cache import CacheConfig
-from cache.runner import Runner
-from eval.ranking_fidelity import FEATURE_POLICIES, feature_score, fidelity_summary, random_score
-from eval.tasks import generate
-from eval.tasks.prompt import build_prompt
-from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
+from eval.ranking_fidelity import fidelity_summary
+from kvgym.envs.decisions import Decisions
 from kvgym.envs.ranking import RANK_FEATURES
 
 source, n = sys.argv[1], int(sys.argv[2])
 SKETCH = int(sys.argv[3]) if len(sys.argv) > 3 else 64  # the random projection's width (per layer and block)
-data = json.load(open(source))
-live = {(r["sample"], r["budget"], r["policy"]): r["live_kl"] for r in data["rows"]}
-budgets = sorted({r["budget"] for r in data["rows"]})
-ranker, _ = load_ranker("policies/ranker_smollm2.pt")
-policies = {"ranker:policies/ranker_smollm2.pt": lambda f: ranker(f.float())[0],
-            **{name: feature_score(c) for name, c in FEATURE_POLICIES.items()}, "random": random_score(0)}
+data, live, budgets = load_fidelity(source)
+policies = fidelity_policies()
 loaded = load_model(data["model"])
 model, tok = loaded.model, loaded.tokenizer
-eos = {int(tok.eos_token_id)}
-captured = {}
-
-
-def capturing(module, query, key, value, attention_mask, *args, **kwargs):
-    captured[module.layer_idx] = (query[0].float(), key[0].float(), value[0].float())
-    return paged_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 def heads_concatenated(x):
@@ -78,89 +61,66 @@ LINEAR = ("exact_check", "lin", "lin_layer_denom", "lin_head_denom", "sketch", "
           "sketch_head_denom")
 layers_out = model.model.layers
 rows = []
-for task in data["tasks"]:
-    for index in range(n):
-        sample = generate(task, tok, data["length"], seed=data["seed"], index=index)
-        prompt = build_prompt(tok, sample, True)
-        runner = Runner(model, None, CacheConfig(block_size=16), protocol="oneshot-question")
-        shared = runner.dense_prefill(prompt, min(sample.max_new_tokens, 24))
-        record = decision_point(model, prompt, min(sample.max_new_tokens, 24), eos_ids=eos, shared=shared)
-        decision = LiveDecision(model, prompt, shared, record["answer"].tolist())
-        AttentionInterface.register(PAGED_ATTENTION, capturing)
-        try:
-            decision._log_probs(shared.cache.clone())
-        finally:
-            AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
-        context = shared.dense_end
-        num_blocks = record["features"].shape[1]
-        assert num_blocks == -(-context // 16), (num_blocks, context)
-        block_of = torch.arange(context) // 16
-        full, contrib, sketches = {}, {}, {}
-        for layer, (q, k, v) in captured.items():
-            heads, q_len, dim = q.shape
-            group = heads // k.shape[0]
-            kk, vv = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-            s = q @ kk.transpose(-1, -2) * dim ** -0.5  # [H, Q, T]
-            t = k.shape[1]
-            causal = torch.arange(t)[None] <= (t - q_len) + torch.arange(q_len)[:, None]
-            s = s.masked_fill(~causal, -torch.inf)
-            probs = torch.softmax(s, -1)
-            o = probs @ vv
-            w = layers_out[layer].self_attn.o_proj.weight.float()
-            full[layer] = (s, vv, o, w, probs[..., :context])
-            # each block's own contribution to each head's output change if it alone were dropped (first order):
-            # c_b = sum_{i in b} p_i (v_i - o), through the head's slice of o_proj; its norm summed over queries
-            p = torch.nn.functional.pad(probs[..., :context], (0, num_blocks * 16 - context))
-            p = p.reshape(heads, q_len, num_blocks, 16)
-            vb = torch.nn.functional.pad(vv[:, :context], (0, 0, 0, num_blocks * 16 - context))
-            vb = vb.reshape(heads, num_blocks, 16, dim)
-            c = torch.einsum("hqnt,hntd->hqnd", p, vb) - p.sum(-1)[..., None] * o[:, :, None, :]
-            w_heads = w.reshape(w.shape[0], heads, dim).permute(1, 2, 0)  # [H, d, hidden]
-            wc = torch.einsum("hqnd,hdk->hqnk", c, w_heads)  # [H, Q, N, hidden]: each block's term through o_proj
-            contrib[layer] = wc.norm(dim=-1).sum(1)  # [H, N]
-            mass = p.sum(-1)  # [H, Q, N]
-            gen = torch.Generator().manual_seed(layer)
-            sketch = torch.randn(q_len * wc.shape[-1], SKETCH, generator=gen) / SKETCH ** 0.5
-            sketches[layer] = (wc, mass, torch.einsum("hqnk,qkr->hnr", wc, sketch.reshape(q_len, -1, SKETCH)))
-        for budget in budgets:
-            d = Decisions([record], budgets=(budget,))
-            pinned_valid = ~d.candidates & (d.features[..., RANK_FEATURES.index("valid")] > 0)
-            for name, score in policies.items():
-                scores = score(d.features)
-                keep = d.kept(scores) | pinned_valid  # [L, N]
-                per = {m: [] for m in ("out_rel", "proj_rel", "proj_abs", "lost", "contrib", "contrib_max", *LINEAR)}
-                for layer, (s, vv, o, w, p_ctx) in full.items():
-                    dropped_blocks = d.candidates[layer] & ~keep[layer]
-                    for m, c in (("contrib", contrib[layer].sum(0)), ("contrib_max", contrib[layer].amax(0))):
-                        per[m].append(float(c[dropped_blocks].sum() / c[d.candidates[layer]].sum()))
-                    token_keep = torch.cat([keep[layer][block_of], torch.ones(s.shape[-1] - context, dtype=torch.bool)])
-                    o2 = torch.softmax(s.masked_fill(~token_keep, -torch.inf), -1) @ vv
-                    delta = o2 - o
-                    per["out_rel"].append(float(delta.pow(2).sum() / o.pow(2).sum()))
-                    pd, po = heads_concatenated(delta) @ w.T, heads_concatenated(o) @ w.T
-                    per["proj_rel"].append(float(pd.pow(2).sum() / po.pow(2).sum()))
-                    per["proj_abs"].append(float(pd.pow(2).sum()))
-                    dropped = ~keep[layer][block_of]
-                    lost = (p_ctx[..., dropped].sum(-1)).amax(0).sum() / p_ctx.sum(-1).amax(0).sum()
-                    per["lost"].append(float(lost))
-                    wc, mass, sk = sketches[layer]
-                    dropped_mass = (mass * dropped_blocks).sum(-1)  # [H, Q]
-                    summed = torch.einsum("hqnk,n->hqk", wc, dropped_blocks.float())  # [H, Q, hidden]
-                    per["exact_check"].append(float((summed / (1 - dropped_mass)[..., None]).sum(0).pow(2).sum()))
-                    per["lin"].append(float(summed.sum(0).pow(2).sum()))
-                    per["lin_layer_denom"].append(per["lin"][-1] / float(1 - dropped_mass.mean()) ** 2)
-                    head_denom = 1 - dropped_mass.mean(1)  # [H]
-                    per["lin_head_denom"].append(float((summed / head_denom[:, None, None]).sum(0).pow(2).sum()))
-                    sk_d = torch.einsum("hnr,n->hr", sk, dropped_blocks.float())  # [H, r]
-                    per["sketch"].append(float(sk_d.sum(0).pow(2).sum()))
-                    per["sketch_layer_denom"].append(per["sketch"][-1] / float(1 - dropped_mass.mean()) ** 2)
-                    per["sketch_head_denom"].append(float((sk_d / head_denom[:, None]).sum(0).pow(2).sum()))
-                key = (f"{task}/{index}", budget, name)
-                rows.append({"sample": key[0], "budget": budget, "policy": name, "live_kl": live[key],
-                             "replay_regret": float(d.regret(scores).mean()),
-                             **{m: float(np.mean(x)) for m, x in per.items()},
-                             **{f"{m}_layers": x for m, x in per.items()}})
-        print(task, index, flush=True)
+for sample_name, shared, record, decision in decision_points(data, n, model, tok):
+    with capturing_qkv({}) as captured:
+        decision._log_probs(shared.cache.clone())
+    context = shared.dense_end
+    num_blocks = record["features"].shape[1]
+    assert num_blocks == -(-context // 16), (num_blocks, context)
+    block_of = torch.arange(context) // 16
+    full, contrib, sketches = {}, {}, {}
+    for layer, (q, k, v) in captured.items():
+        s, probs, vv, o, mass, c = block_terms(q, k, v, context, num_blocks)
+        heads, q_len, dim = q.shape
+        w = layers_out[layer].self_attn.o_proj.weight.float()
+        full[layer] = (s, vv, o, w, probs[..., :context])
+        # each block's own contribution to each head's output change if it alone were dropped (first order):
+        # c_b = sum_{i in b} p_i (v_i - o), through the head's slice of o_proj; its norm summed over queries
+        w_heads = w.reshape(w.shape[0], heads, dim).permute(1, 2, 0)  # [H, d, hidden]
+        wc = torch.einsum("hqnd,hdk->hqnk", c, w_heads)  # [H, Q, N, hidden]: each block's term through o_proj
+        contrib[layer] = wc.norm(dim=-1).sum(1)  # [H, N]
+        gen = torch.Generator().manual_seed(layer)
+        sketch = torch.randn(q_len * wc.shape[-1], SKETCH, generator=gen) / SKETCH ** 0.5
+        sketches[layer] = (wc, mass, torch.einsum("hqnk,qkr->hnr", wc, sketch.reshape(q_len, -1, SKETCH)))
+    for budget in budgets:
+        d = Decisions([record], budgets=(budget,))
+        pinned_valid = ~d.candidates & (d.features[..., RANK_FEATURES.index("valid")] > 0)
+        for name, score in policies.items():
+            scores = score(d.features)
+            keep = d.kept(scores) | pinned_valid  # [L, N]
+            per = {m: [] for m in ("out_rel", "proj_rel", "proj_abs", "lost", "contrib", "contrib_max", *LINEAR)}
+            for layer, (s, vv, o, w, p_ctx) in full.items():
+                dropped_blocks = d.candidates[layer] & ~keep[layer]
+                for m, c in (("contrib", contrib[layer].sum(0)), ("contrib_max", contrib[layer].amax(0))):
+                    per[m].append(float(c[dropped_blocks].sum() / c[d.candidates[layer]].sum()))
+                token_keep = torch.cat([keep[layer][block_of], torch.ones(s.shape[-1] - context, dtype=torch.bool)])
+                o2 = torch.softmax(s.masked_fill(~token_keep, -torch.inf), -1) @ vv
+                delta = o2 - o
+                per["out_rel"].append(float(delta.pow(2).sum() / o.pow(2).sum()))
+                pd, po = heads_concatenated(delta) @ w.T, heads_concatenated(o) @ w.T
+                per["proj_rel"].append(float(pd.pow(2).sum() / po.pow(2).sum()))
+                per["proj_abs"].append(float(pd.pow(2).sum()))
+                dropped = ~keep[layer][block_of]
+                lost = (p_ctx[..., dropped].sum(-1)).amax(0).sum() / p_ctx.sum(-1).amax(0).sum()
+                per["lost"].append(float(lost))
+                wc, mass, sk = sketches[layer]
+                dropped_mass = (mass * dropped_blocks).sum(-1)  # [H, Q]
+                summed = torch.einsum("hqnk,n->hqk", wc, dropped_blocks.float())  # [H, Q, hidden]
+                per["exact_check"].append(float((summed / (1 - dropped_mass)[..., None]).sum(0).pow(2).sum()))
+                per["lin"].append(float(summed.sum(0).pow(2).sum()))
+                per["lin_layer_denom"].append(per["lin"][-1] / float(1 - dropped_mass.mean()) ** 2)
+                head_denom = 1 - dropped_mass.mean(1)  # [H]
+                per["lin_head_denom"].append(float((summed / head_denom[:, None, None]).sum(0).pow(2).sum()))
+                sk_d = torch.einsum("hnr,n->hr", sk, dropped_blocks.float())  # [H, r]
+                per["sketch"].append(float(sk_d.sum(0).pow(2).sum()))
+                per["sketch_layer_denom"].append(per["sketch"][-1] / float(1 - dropped_mass.mean()) ** 2)
+                per["sketch_head_denom"].append(float((sk_d / head_denom[:, None]).sum(0).pow(2).sum()))
+            key = (sample_name, budget, name)
+            rows.append({"sample": key[0], "budget": budget, "policy": name, "live_kl": live[key],
+                         "replay_regret": float(d.regret(scores).mean()),
+                         **{m: float(np.mean(x)) for m, x in per.items()},
+                         **{f"{m}_layers": x for m, x in per.items()}})
+    print(sample_name, flush=True)
 
 metrics = ["replay_regret", "out_rel", "proj_rel", "proj_abs", "lost", "contrib", "contrib_max", *LINEAR]
 summary = {}

@@ -24,39 +24,23 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
-from transformers import AttentionInterface
+from common import block_terms, capturing_qkv, decision_points, fidelity_policies, load_fidelity
 
-from agents.ranker.model import load_ranker
-from cache.attention import PAGED_ATTENTION, paged_attention_forward
 from cache.models import load_model
-from cache.paged_cache import CacheConfig
-from cache.runner import Runner
-from eval.ranking_fidelity import FEATURE_POLICIES, feature_score, fidelity_summary, random_score
-from eval.tasks import generate
-from eval.tasks.prompt import build_prompt
-from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
+from eval.ranking_fidelity import fidelity_summary
+from kvgym.envs.decisions import Decisions
 from kvgym.envs.ranking import RANK_FEATURES
 
 source, n = sys.argv[1], int(sys.argv[2])
 TOP = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-data = json.load(open(source))
-live = {(r["sample"], r["budget"], r["policy"]): r["live_kl"] for r in data["rows"]}
-budgets = sorted({r["budget"] for r in data["rows"]})
-ranker, _ = load_ranker("policies/ranker_smollm2.pt")
-policies = {"ranker:policies/ranker_smollm2.pt": lambda f: ranker(f.float())[0],
-            **{name: feature_score(c) for name, c in FEATURE_POLICIES.items()}, "random": random_score(0)}
+data, live, budgets = load_fidelity(source)
+policies = fidelity_policies()
 loaded = load_model(data["model"])
 model, tok = loaded.model, loaded.tokenizer
 for parameter in model.parameters():
     parameter.requires_grad_(False)
-eos = {int(tok.eos_token_id)}
 layers = model.model.layers
-captured, probes = {}, {}
-
-
-def capturing(module, query, key, value, attention_mask, *args, **kwargs):
-    captured[module.layer_idx] = (query[0].detach().float(), key[0].detach().float(), value[0].detach().float())
-    return paged_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+probes = {}
 
 
 def probe(layer):
@@ -68,68 +52,49 @@ def probe(layer):
 
 
 rows = []
-for task in data["tasks"]:
-    for index in range(n):
-        sample = generate(task, tok, data["length"], seed=data["seed"], index=index)
-        prompt = build_prompt(tok, sample, True)
-        runner = Runner(model, None, CacheConfig(block_size=16), protocol="oneshot-question")
-        shared = runner.dense_prefill(prompt, min(sample.max_new_tokens, 24))
-        record = decision_point(model, prompt, min(sample.max_new_tokens, 24), eos_ids=eos, shared=shared)
-        decision = LiveDecision(model, prompt, shared, record["answer"].tolist())
-        hooks = [layers[i].self_attn.o_proj.register_forward_hook(probe(i)) for i in range(len(layers))]
-        AttentionInterface.register(PAGED_ATTENTION, capturing)
-        try:
-            with torch.enable_grad():
-                logits = model(input_ids=decision.fed, cache=shared.cache.clone(), use_cache=True,
-                               logits_to_keep=0).logits[0].float()
-                log_p = torch.log_softmax(logits, -1)  # [Q, V]
-                top_p, top_y = log_p.detach().exp().topk(TOP, dim=-1)  # [Q, k]
-                grads = []  # per token rank k: {layer: [Q, hidden]}
-                for k in range(TOP):
-                    chosen = log_p.gather(-1, top_y[:, k:k + 1]).sum()
-                    g = torch.autograd.grad(chosen, [probes[i] for i in range(len(layers))], retain_graph=k < TOP - 1)
-                    grads.append([x[0] for x in g])
-        finally:
-            AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
-            for h in hooks:
-                h.remove()
-        context = shared.dense_end
-        num_blocks = record["features"].shape[1]
-        pad = num_blocks * 16 - context
-        effect = []  # [L] of [N, Q, k]
-        for layer in range(len(layers)):
-            q, k_, v = captured[layer]
-            heads, q_len, dim = q.shape
-            group = heads // k_.shape[0]
-            kk, vv = k_.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-            s = q @ kk.transpose(-1, -2) * dim ** -0.5
-            t = k_.shape[1]
-            causal = torch.arange(t)[None] <= (t - q_len) + torch.arange(q_len)[:, None]
-            probs = torch.softmax(s.masked_fill(~causal, -torch.inf), -1)
-            o = probs @ vv
-            p = torch.nn.functional.pad(probs[..., :context], (0, pad)).reshape(heads, q_len, num_blocks, 16)
-            vb = torch.nn.functional.pad(vv[:, :context], (0, 0, 0, pad)).reshape(heads, num_blocks, 16, dim)
-            c = torch.einsum("hqnt,hntd->hqnd", p, vb) - p.sum(-1)[..., None] * o[:, :, None, :]
-            w = layers[layer].self_attn.o_proj.weight.float()  # [hidden, H*d]
-            g = torch.stack([grads[k][layer] for k in range(TOP)], -1)  # [Q, hidden, k]
-            gw = torch.einsum("qck,chd->qhdk", g, w.reshape(w.shape[0], heads, dim))  # gradient at each head's output
-            a = -torch.einsum("hqnd,qhdk->nqk", c, gw) * top_p.sqrt()[None]
-            effect.append(a)
-        effect = torch.stack(effect)  # [L, N, Q, k]
-        for budget in budgets:
-            d = Decisions([record], budgets=(budget,))
-            pinned_valid = ~d.candidates & (d.features[..., RANK_FEATURES.index("valid")] > 0)
-            for name, score in policies.items():
-                keep = d.kept(score(d.features)) | pinned_valid
-                dropped = (d.candidates & ~keep).float()  # [L, N]
-                per_layer = torch.einsum("lnqk,ln->lqk", effect, dropped)  # [L, Q, k]
-                key = (f"{task}/{index}", budget, name)
-                rows.append({"sample": key[0], "budget": budget, "policy": name, "live_kl": live[key],
-                             "replay_regret": float(d.regret(score(d.features)).mean()),
-                             "fisher": float(0.5 * per_layer.sum(0).pow(2).sum(-1).mean()),
-                             "fisher_layers": float(0.5 * per_layer.pow(2).sum(-1).mean(-1).sum()),
-                             "answer": float(0.5 * per_layer[..., 0].sum(0).pow(2).mean())})
-        print(task, index, flush=True)
+for sample_name, shared, record, decision in decision_points(data, n, model, tok):
+    hooks = [layers[i].self_attn.o_proj.register_forward_hook(probe(i)) for i in range(len(layers))]
+    try:
+        with capturing_qkv({}) as captured, torch.enable_grad():
+            logits = model(input_ids=decision.fed, cache=shared.cache.clone(), use_cache=True,
+                           logits_to_keep=0).logits[0].float()
+            log_p = torch.log_softmax(logits, -1)  # [Q, V]
+            top_p, top_y = log_p.detach().exp().topk(TOP, dim=-1)  # [Q, k]
+            grads = []  # per token rank k: {layer: [Q, hidden]}
+            for k in range(TOP):
+                chosen = log_p.gather(-1, top_y[:, k:k + 1]).sum()
+                g = torch.autograd.grad(chosen, [probes[i] for i in range(len(layers))], retain_graph=k < TOP - 1)
+                grads.append([x[0] for x in g])
+    finally:
+        for h in hooks:
+            h.remove()
+    context = shared.dense_end
+    num_blocks = record["features"].shape[1]
+    effect = []  # [L] of [N, Q, k]
+    for layer in range(len(layers)):
+        q, k_, v = captured[layer]
+        heads, q_len, dim = q.shape
+        c = block_terms(q, k_, v, context, num_blocks)[-1]
+        w = layers[layer].self_attn.o_proj.weight.float()  # [hidden, H*d]
+        g = torch.stack([grads[k][layer] for k in range(TOP)], -1)  # [Q, hidden, k]
+        gw = torch.einsum("qck,chd->qhdk", g, w.reshape(w.shape[0], heads, dim))  # gradient at each head's output
+        a = -torch.einsum("hqnd,qhdk->nqk", c, gw) * top_p.sqrt()[None]
+        effect.append(a)
+    effect = torch.stack(effect)  # [L, N, Q, k]
+    for budget in budgets:
+        d = Decisions([record], budgets=(budget,))
+        pinned_valid = ~d.candidates & (d.features[..., RANK_FEATURES.index("valid")] > 0)
+        for name, score in policies.items():
+            keep = d.kept(score(d.features)) | pinned_valid
+            dropped = (d.candidates & ~keep).float()  # [L, N]
+            per_layer = torch.einsum("lnqk,ln->lqk", effect, dropped)  # [L, Q, k]
+            key = (sample_name, budget, name)
+            rows.append({"sample": key[0], "budget": budget, "policy": name, "live_kl": live[key],
+                         "replay_regret": float(d.regret(score(d.features)).mean()),
+                         "fisher": float(0.5 * per_layer.sum(0).pow(2).sum(-1).mean()),
+                         "fisher_layers": float(0.5 * per_layer.pow(2).sum(-1).mean(-1).sum()),
+                         "answer": float(0.5 * per_layer[..., 0].sum(0).pow(2).mean())})
+    print(sample_name, flush=True)
 
 summary = {}
 for m in ("replay_regret", "fisher", "fisher_layers", "answer"):

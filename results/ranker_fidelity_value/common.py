@@ -1,0 +1,87 @@
+"""What output_error.py and output_grad.py share: the decision points of a `kvgym ranker fidelity` JSON, the
+policies it scored, a hook that captures each layer's queries / keys / values, and each block's term of a
+layer's attention output (``c_b = Σ_{i∈b} p_i (v_i − o)`` per head)."""
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from transformers import AttentionInterface
+
+from agents.ranker.model import load_ranker
+from cache.attention import PAGED_ATTENTION, paged_attention_forward
+from cache.paged_cache import CacheConfig
+from cache.runner import Runner
+from eval.ranking_fidelity import FEATURE_POLICIES, feature_score, random_score
+from eval.tasks import generate
+from eval.tasks.prompt import build_prompt
+from kvgym.envs.decisions import LiveDecision, decision_point
+
+BLOCK_SIZE = 16
+
+
+def load_fidelity(source):
+    """The JSON, its live KL by (sample, budget, policy) and its budgets."""
+    data = json.load(open(source))
+    live = {(r["sample"], r["budget"], r["policy"]): r["live_kl"] for r in data["rows"]}
+    return data, live, sorted({r["budget"] for r in data["rows"]})
+
+
+def fidelity_policies():
+    """The policies the fidelity JSONs score, name → scores from a decision's features."""
+    ranker, _ = load_ranker("policies/ranker_smollm2.pt")
+    return {"ranker:policies/ranker_smollm2.pt": lambda f: ranker(f.float())[0],
+            **{name: feature_score(c) for name, c in FEATURE_POLICIES.items()}, "random": random_score(0)}
+
+
+def decision_points(data, n, model, tok):
+    """Per sample of the JSON's tasks (``n`` each): (sample name, dense prefill, decision record, LiveDecision)."""
+    eos = {int(tok.eos_token_id)}
+    for task in data["tasks"]:
+        for index in range(n):
+            sample = generate(task, tok, data["length"], seed=data["seed"], index=index)
+            prompt = build_prompt(tok, sample, True)
+            answer_tokens = min(sample.max_new_tokens, 24)
+            runner = Runner(model, None, CacheConfig(block_size=BLOCK_SIZE), protocol="oneshot-question")
+            shared = runner.dense_prefill(prompt, answer_tokens)
+            record = decision_point(model, prompt, answer_tokens, eos_ids=eos, shared=shared)
+            yield f"{task}/{index}", shared, record, LiveDecision(model, prompt, shared, record["answer"].tolist())
+
+
+class capturing_qkv:
+    """Within the block, every paged attention call also stores its layer's (query, key, value) in ``captured``."""
+
+    def __init__(self, captured):
+        self.captured = captured
+
+    def hook(self, module, query, key, value, attention_mask, *args, **kwargs):
+        self.captured[module.layer_idx] = (query[0].detach().float(), key[0].detach().float(),
+                                           value[0].detach().float())
+        return paged_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    def __enter__(self):
+        AttentionInterface.register(PAGED_ATTENTION, self.hook)
+        return self.captured
+
+    def __exit__(self, *exc):
+        AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
+
+
+def block_terms(q, k, v, context, num_blocks):
+    """One layer's answer queries ``q [H, Q, d]`` over keys / values ``[KV, T, d]`` (the context first):
+    the causal scores ``s [H, Q, T]``, probabilities, the values repeated per query head, the output
+    ``o [H, Q, d]``, each context block's mass ``[H, Q, N]`` and term ``c [H, Q, N, d]``."""
+    heads, q_len, dim = q.shape
+    group = heads // k.shape[0]
+    kk, vv = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    s = q @ kk.transpose(-1, -2) * dim ** -0.5
+    t = k.shape[1]
+    causal = torch.arange(t)[None] <= (t - q_len) + torch.arange(q_len)[:, None]
+    s = s.masked_fill(~causal, -torch.inf)
+    probs = torch.softmax(s, -1)
+    o = probs @ vv
+    pad = num_blocks * BLOCK_SIZE - context
+    p = torch.nn.functional.pad(probs[..., :context], (0, pad)).reshape(heads, q_len, num_blocks, BLOCK_SIZE)
+    vb = torch.nn.functional.pad(vv[:, :context], (0, 0, 0, pad)).reshape(heads, num_blocks, BLOCK_SIZE, dim)
+    c = torch.einsum("hqnt,hntd->hqnd", p, vb) - p.sum(-1)[..., None] * o[:, :, None, :]
+    return s, probs, vv, o, p.sum(-1), c
