@@ -21,6 +21,7 @@ from kvgym.envs.decisions import (
     BUDGETS,
     Decisions,
     RankingReplayEnv,
+    block_value_norms,
     decision_point,
     load_records,
     streaming_state,
@@ -312,6 +313,22 @@ def test_value_norms_of_a_decision_point_match_dynamic_cache_and_weight_the_futu
     assert regret.mass.shape == (2, n) and torch.isfinite(regret.mass).all()
     with pytest.raises(ValueError, match="value_norms"):
         Decisions([{k: v for k, v in record.items() if k != "value_norms"}], target="future_value")
+
+
+def test_value_norms_ignore_the_unwritten_slots_of_a_partial_block(tiny_model):
+    """The pools are ``torch.empty``: a partial block's unwritten slots hold whatever was in memory, NaN
+    included. Poisoning them must not change any block's mean value norm (it did, intermittently: 0 × NaN)."""
+    cache, view = view_after_prefill(tiny_model)
+    clean = block_value_norms(view)
+    for layer in range(view.num_layers):
+        last = int(torch.nonzero(view.tier[layer] == Tier.DEVICE).max())
+        filled = int(view.num_tokens[layer, last])
+        assert 0 < filled < cache.block_size  # the prompt leaves a partial newest block
+        pool = cache.device_pool(layer)
+        pool.values[cache.tables.physical[layer, last], filled:] = float("nan")
+    poisoned = block_value_norms(view)
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(poisoned, clean)
 
 
 def test_a_teacher_scores_the_question_blind_decision_point_it_is_shown(tiny_model):

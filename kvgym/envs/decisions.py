@@ -79,7 +79,8 @@ def block_value_norms(view: CacheView) -> torch.Tensor:
         if norms is None:
             norms = torch.zeros(view.num_layers, values.shape[2], view.num_blocks)
         valid = torch.arange(block_size)[None] < view.num_tokens[layer, blocks][:, None]  # [B, bs]
-        per_token = values.norm(dim=-1) * valid[..., None]
+        # where, not a product: a partial block's unwritten slots hold whatever the pool's memory held (NaN too)
+        per_token = torch.where(valid[..., None], values.norm(dim=-1), 0.0)
         norms[layer, :, blocks] = (per_token.sum(dim=1) / valid.sum(dim=1, keepdim=True).clamp(min=1)).T
     return norms
 
