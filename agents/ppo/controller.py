@@ -11,11 +11,8 @@ cache is refused with a ``PolicyFileError`` before anything is used.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import os
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from agents.policy_file import PolicyFileError, save_sb3_zip, sha256_hex
 from agents.ppo.network import (
     OBSERVATION_KEYS,
     SlotNetwork,
@@ -48,53 +46,29 @@ POLICY_VERSION = 1
 SENTENCE = BLOCK_FEATURES.index("sentence_boundary")
 
 
-class PolicyFileError(ValueError):
-    """A policy file that cannot be used: corrupt, foreign, or made for other spaces."""
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def save_policy(model, path: str | Path, vecnormalize=None, extra: dict | None = None) -> Path:
     """Write ``model`` (a MaskablePPO with ``SlotScorerPolicy``) and the normalisation statistics of
     ``vecnormalize`` to ``path`` (atomically: a kill leaves the old file or the new one, never half of it)."""
     policy = model.policy
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     normalisation = {}
     if vecnormalize is not None and vecnormalize.norm_obs:
         for key in vecnormalize.norm_obs_keys:
             stats = vecnormalize.obs_rms[key]
             normalisation[key] = {"mean": np.asarray(stats.mean, np.float64).tolist(),
                                   "var": np.asarray(stats.var, np.float64).tolist()}
-    fd, tmp = tempfile.mkstemp(suffix=".zip", dir=path.parent)
-    os.close(fd)
-    try:
-        model.save(tmp)
-        with zipfile.ZipFile(tmp) as archive:
-            weights = archive.read("policy.pth")
-        meta = {
-            "format": POLICY_FORMAT, "version": POLICY_VERSION,
-            "num_layers": policy.num_layers, "num_candidates": policy.num_candidates, "num_ops": NUM_OPS,
-            "block_features": list(BLOCK_FEATURES), "global_features": list(GLOBAL_FEATURES),
-            "hidden": policy.hidden, "keep_bias": policy.keep_bias,
-            "normalisation": normalisation,
-            "clip_obs": float(vecnormalize.clip_obs) if vecnormalize is not None else None,
-            "epsilon": float(vecnormalize.epsilon) if vecnormalize is not None else 1e-8,
-            "sentence_features": False,
-            "fallback_rule": FALLBACK_RULE,
-            "policy_sha256": _sha256(weights),
-            **(extra or {}),
-        }
-        with zipfile.ZipFile(tmp, "a", compression=zipfile.ZIP_DEFLATED) as archive:
-            archive.writestr(POLICY_ENTRY, json.dumps(meta, indent=2, default=str))
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a policy file is meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    meta = {
+        "format": POLICY_FORMAT, "version": POLICY_VERSION,
+        "num_layers": policy.num_layers, "num_candidates": policy.num_candidates, "num_ops": NUM_OPS,
+        "block_features": list(BLOCK_FEATURES), "global_features": list(GLOBAL_FEATURES),
+        "hidden": policy.hidden, "keep_bias": policy.keep_bias,
+        "normalisation": normalisation,
+        "clip_obs": float(vecnormalize.clip_obs) if vecnormalize is not None else None,
+        "epsilon": float(vecnormalize.epsilon) if vecnormalize is not None else 1e-8,
+        "sentence_features": False,
+        "fallback_rule": FALLBACK_RULE,
+        **(extra or {}),
+    }
+    return save_sb3_zip(model, path, POLICY_ENTRY, meta)
 
 
 def read_policy(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -118,7 +92,7 @@ def read_policy(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if meta.get("format") != POLICY_FORMAT or meta.get("version") != POLICY_VERSION:
         raise PolicyFileError(f"{path}: format {meta.get('format')!r} v{meta.get('version')!r}; this kvgym reads "
                               f"{POLICY_FORMAT!r} v{POLICY_VERSION}")
-    if _sha256(weights) != meta.get("policy_sha256"):
+    if sha256_hex(weights) != meta.get("policy_sha256"):
         raise PolicyFileError(f"policy file {path}: policy.pth does not match its recorded sha256; refusing it")
     expected = {"block_features": list(BLOCK_FEATURES), "global_features": list(GLOBAL_FEATURES), "num_ops": NUM_OPS}
     for key, value in expected.items():

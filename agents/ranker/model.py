@@ -15,11 +15,8 @@ the features and the sha256 of ``policy.pth``), under the same checks, without i
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -27,16 +24,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from agents.policy_file import PolicyFileError, atomic_write, sha256_hex
 from kvgym.envs.ranking import RANK_FEATURES
 
 RANKER_FORMAT = "kvgym-ranker"
 RANKER_VERSION = 1
 PPO_FORMAT = "kvgym-ranker-ppo"  # an SB3 PPO zip of a RankingPolicy (agents.ranker.ppo) with this entry
 PPO_ENTRY = "kvgym_ranker.json"
-
-
-class PolicyFileError(ValueError):
-    """A policy file that cannot be used: corrupt, foreign, or made for other features."""
 
 
 class BlockScorer(nn.Module):
@@ -90,10 +84,6 @@ class NumpyScorer:
         return out[..., 0], out[..., 1]
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _weights_bytes(state: dict[str, torch.Tensor]) -> bytes:
     buffer = io.BytesIO()
     torch.save({name: state[name] for name in sorted(state)}, buffer)
@@ -102,8 +92,6 @@ def _weights_bytes(state: dict[str, torch.Tensor]) -> bytes:
 
 def save_ranker(model: BlockScorer, path: str | Path, summary: dict | None = None) -> Path:
     """Write ``model`` to ``path`` atomically (a kill leaves the old file or the new one, never half of it)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
     payload = {
         "format": RANKER_FORMAT, "version": RANKER_VERSION, "features": list(RANK_FEATURES),
@@ -111,16 +99,9 @@ def save_ranker(model: BlockScorer, path: str | Path, summary: dict | None = Non
         "weights_sha256": sha256_hex(_weights_bytes(state)),
         "summary": json.dumps(summary or {}, default=str),
     }
-    fd, tmp = tempfile.mkstemp(suffix=".pt", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_write(path, ".pt") as tmp:
         torch.save(payload, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return Path(path)
 
 
 def _is_sb3_zip(path: Path) -> bool:

@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +35,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.vec_env import VecEnvWrapper
 from torch import nn
 
+from agents.policy_file import save_sb3_zip
 from agents.ranker.model import (
     PPO_ENTRY,
     PPO_FORMAT,
@@ -45,7 +43,6 @@ from agents.ranker.model import (
     BlockScorer,
     load_ranker,
     save_ranker,
-    sha256_hex,
 )
 from agents.ranker.train import regret_table
 from kvgym.envs.decisions import Decisions, RankingReplayVecEnv
@@ -117,24 +114,9 @@ class RankingPolicy(ActorCriticPolicy):
 def save_ppo_ranker(model: PPO, path: str | Path, summary: dict | None = None) -> Path:
     """``model.save`` to ``path`` plus the ``kvgym_ranker.json`` entry (atomically: a kill leaves the old file or
     the new one)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".zip", dir=path.parent)
-    os.close(fd)
-    try:
-        model.save(tmp)
-        with zipfile.ZipFile(tmp) as archive:
-            weights = archive.read("policy.pth")
-        meta = {"format": PPO_FORMAT, "version": RANKER_VERSION, "features": list(RANK_FEATURES),
-                "hidden": model.policy.hidden, "policy_sha256": sha256_hex(weights), "summary": summary or {}}
-        with zipfile.ZipFile(tmp, "a", compression=zipfile.ZIP_DEFLATED) as archive:
-            archive.writestr(PPO_ENTRY, json.dumps(meta, indent=2, default=str))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    meta = {"format": PPO_FORMAT, "version": RANKER_VERSION, "features": list(RANK_FEATURES),
+            "hidden": model.policy.hidden, "summary": summary or {}}
+    return save_sb3_zip(model, path, PPO_ENTRY, meta)
 
 
 class GroupRelativeReward(VecEnvWrapper):
