@@ -3,6 +3,7 @@ policies it scored, a hook that captures each layer's queries / keys / values, a
 layer's attention output (``c_b = Σ_{i∈b} p_i (v_i − o)`` per head)."""
 import json
 import os
+from contextlib import contextmanager
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
@@ -48,22 +49,20 @@ def decision_points(data, n, model, tok):
             yield f"{task}/{index}", shared, record, LiveDecision(model, prompt, shared, record["answer"].tolist())
 
 
-class capturing_qkv:
-    """Within the block, every paged attention call also stores its layer's (query, key, value) in ``captured``."""
+@contextmanager
+def capturing_qkv():
+    """Within the block, every paged attention call also stores its layer's (query, key, value) in the
+    dictionary it yields, by layer."""
+    captured = {}
 
-    def __init__(self, captured):
-        self.captured = captured
-
-    def hook(self, module, query, key, value, attention_mask, *args, **kwargs):
-        self.captured[module.layer_idx] = (query[0].detach().float(), key[0].detach().float(),
-                                           value[0].detach().float())
+    def hook(module, query, key, value, attention_mask, *args, **kwargs):
+        captured[module.layer_idx] = (query[0].detach().float(), key[0].detach().float(), value[0].detach().float())
         return paged_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
-    def __enter__(self):
-        AttentionInterface.register(PAGED_ATTENTION, self.hook)
-        return self.captured
-
-    def __exit__(self, *exc):
+    AttentionInterface.register(PAGED_ATTENTION, hook)
+    try:
+        yield captured
+    finally:
         AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
 
 
@@ -83,5 +82,6 @@ def block_terms(q, k, v, context, num_blocks):
     pad = num_blocks * BLOCK_SIZE - context
     p = torch.nn.functional.pad(probs[..., :context], (0, pad)).reshape(heads, q_len, num_blocks, BLOCK_SIZE)
     vb = torch.nn.functional.pad(vv[:, :context], (0, 0, 0, pad)).reshape(heads, num_blocks, BLOCK_SIZE, dim)
-    c = torch.einsum("hqnt,hntd->hqnd", p, vb) - p.sum(-1)[..., None] * o[:, :, None, :]
-    return s, probs, vv, o, p.sum(-1), c
+    mass = p.sum(-1)
+    c = torch.einsum("hqnt,hntd->hqnd", p, vb) - mass[..., None] * o[:, :, None, :]
+    return s, probs, vv, o, mass, c

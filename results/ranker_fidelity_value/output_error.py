@@ -62,7 +62,7 @@ LINEAR = ("exact_check", "lin", "lin_layer_denom", "lin_head_denom", "sketch", "
 layers_out = model.model.layers
 rows = []
 for sample_name, shared, record, decision in decision_points(data, n, model, tok):
-    with capturing_qkv({}) as captured:
+    with capturing_qkv() as captured:
         decision._log_probs(shared.cache.clone())
     context = shared.dense_end
     num_blocks = record["features"].shape[1]

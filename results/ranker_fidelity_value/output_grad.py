@@ -55,7 +55,7 @@ rows = []
 for sample_name, shared, record, decision in decision_points(data, n, model, tok):
     hooks = [layers[i].self_attn.o_proj.register_forward_hook(probe(i)) for i in range(len(layers))]
     try:
-        with capturing_qkv({}) as captured, torch.enable_grad():
+        with capturing_qkv() as captured, torch.enable_grad():
             logits = model(input_ids=decision.fed, cache=shared.cache.clone(), use_cache=True,
                            logits_to_keep=0).logits[0].float()
             log_p = torch.log_softmax(logits, -1)  # [Q, V]
