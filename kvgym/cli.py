@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgym", description="KV-cache policies on a live, paged KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    setup = commands.add_parser("setup", help="fetch and convert the default model (SmolLM2-135M-Instruct)")
+    setup = commands.add_parser("setup", help="fetch and convert the default model (SmolLM2-135M-Instruct); fetch the essays and code haystacks")
     setup.add_argument("--rebuild", action="store_true", help="convert again even if a valid copy exists")
 
     generate = commands.add_parser("generate", help="run a prompt through the paged cache")
@@ -230,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--tasks", default=None,
                             help="comma-separated task names (default: passkey,niah_single,vt,research,text; "
                                  "with --tasks-file and no --tasks: only the file)")
+    evaluation.add_argument("--family-split", choices=("train", "heldout", "heldout_hard"), default=None,
+                            help="add the retrieval families of this side of the generalization split "
+                                 "(eval.tasks.families: heldout = wordings and fillers no policy trained on; "
+                                 "the same as adding the task families_heldout)")
     evaluation.add_argument("--lengths", default="2048,4096", help="comma-separated target prompt lengths in tokens")
     evaluation.add_argument("--n", type=int, default=20, help="samples per task and length")
     evaluation.add_argument("--seed", type=int, default=0, help="draws the samples (another seed: fresh samples)")
@@ -317,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_train.add_argument("--needle-weight", type=float, default=0.0,
                               help="add the blocks that state the answer to the target, worth this many times the "
                                    "rest of the layer (0: off)")
+    ranker_train.add_argument("--drop-features", default="",
+                              help="comma-separated features or groups (place, attention, page_bound, keys, "
+                                   "query_similarity, context) the scorer must not read (ablations)")
     ranker_train.add_argument("--out", type=Path, required=True,
                               help="run folder: ranker.pt, warm_start.pt, metrics.jsonl, tensorboard/, summary.json")
 
@@ -425,7 +432,11 @@ def cmd_eval(args) -> int:
     from eval.harness import check_inputs, evaluate, read_tasks_file, task_generator
 
     tasks = args.tasks if args.tasks is not None else (
-        None if args.tasks_file or args.dataset else DEFAULT_EVAL_TASKS)
+        None if args.tasks_file or args.dataset or args.family_split else DEFAULT_EVAL_TASKS)
+    if args.family_split is not None:
+        from eval.tasks.families import FAMILY_TASKS
+
+        tasks = ",".join(t for t in [tasks, FAMILY_TASKS[args.family_split]] if t)
     # everything that can be checked without the model is checked before loading it
     _, _, task_list, _ = check_inputs(args.controllers, args.budgets, tasks, args.lengths, args.n)
     for task in task_list:
@@ -456,9 +467,11 @@ def cmd_eval(args) -> int:
 
 def cmd_setup(args) -> int:
     from cache.models import ensure_smollm2
+    from eval.tasks.corpora import ensure_corpora
 
     path = ensure_smollm2(rebuild=args.rebuild)
     print(f"default model ready: {path}")
+    print(f"haystack corpora ready: {ensure_corpora()}")
     return 0
 
 
@@ -681,7 +694,8 @@ def cmd_ranker(args) -> int:
         sets = _train_and_validation_records(args)
         summary = train(sets["train"], sets["validation"], args.out, warm_epochs=args.warm_epochs,
                         rl_epochs=args.rl_epochs, seed=args.seed, target=args.target,
-                        needle_weight=args.needle_weight)
+                        needle_weight=args.needle_weight,
+                        drop_features=tuple(f.strip() for f in args.drop_features.split(",") if f.strip()))
         print(json.dumps(summary["best"]), f"-> {args.out / 'ranker.pt'}")
         return 0
     if args.ranker == "ppo":

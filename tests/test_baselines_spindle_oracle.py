@@ -74,6 +74,32 @@ def test_oracle_from_run_records_every_forward_and_drives_a_budgeted_run(tiny_mo
     assert max(result.blocks_per_tier["device"]) <= 3
 
 
+def test_prefetching_oracle_keeps_what_the_next_queries_attend(tiny_model):
+    _, view = view_of(tiny_model, [5, 5])  # 3 places per layer besides the sink and the newest block
+    trace = hand_trace([160, 161, 162, 163])
+    # the next token attends b2 0.5, b5 0.3, b7 0.2 (b3 0.1, b8 0.05): those three stay, whatever comes later
+    decisions = Oracle(trace=trace, prefetch=True, window=1).decide(view)  # a prefill view
+    assert blocks(decisions, Op.EVICT) == [1, 3, 4, 6, 8]
+    # the window reaching the rest of the run ranks by all of it, as the evicting oracle does
+    assert blocks(Oracle(trace=trace, prefetch=True, window=8).decide(view), Op.EVICT) == [1, 3, 5, 7, 8]
+
+
+def test_prefetching_oracle_brings_offloaded_blocks_back(tiny_model):
+    """With a host tier the prefetching oracle moves blocks back to the device; the evicting oracle (the negative
+    control) never does; both hold the budget without the fallback."""
+    ids = torch.randint(2, 256, (1, 160), generator=torch.Generator().manual_seed(4))
+    trace = Oracle.from_run(tiny_model, ids, max_new_tokens=16, prefill_chunk=32).trace
+    results = {}
+    for prefetch in (False, True):
+        runner = Runner(tiny_model, None, CacheConfig(host_blocks=16), controller=Oracle(trace=trace, prefetch=prefetch),
+                        budget=4, prefill_chunk=32, decide_every=2)
+        results[prefetch] = runner.run(ids, max_new_tokens=16)
+    for result in results.values():
+        assert result.fallbacks == 0 and max(result.blocks_per_tier["device"]) <= 4
+    assert results[False].operations["prefetch"] == 0
+    assert results[True].operations["prefetch"] > 0
+
+
 @torch.no_grad()
 def teacher_forced(model, ids, prompt_len, chunk, controller, budget):
     """Log-probs of ``ids[prompt_len:]`` fed one token a step after a chunked prefill, with a decision point

@@ -11,7 +11,7 @@ from gymnasium.utils.env_checker import check_env
 
 from agents.ranker.controller import RankerController
 from agents.ranker.model import BlockScorer, PolicyFileError, load_ranker, save_ranker
-from agents.ranker.train import listwise_loss, plackett_luce_topk, regret_table, train
+from agents.ranker.train import dropped_columns, listwise_loss, plackett_luce_topk, regret_table, train
 from agents.registry import make_controller
 from cache.controller import CacheView, Decision, Op, page_bounds
 from cache.paged_cache import CacheConfig
@@ -481,6 +481,36 @@ def test_training_learns_the_ranking_from_the_signal_feature(tmp_path):
     # cross-entropy to the normalised future mass: lowest at the log of the mass itself
     assert float(listwise_loss(held.mass[:4].log(), held.mass[:4], held.candidates[:4])) < float(
         listwise_loss(scores, held.mass[:4], held.candidates[:4]))
+
+
+def test_a_dropped_feature_is_never_read(tmp_path):
+    """Trained with the signal's column dropped, the scorer's outputs do not move when that column does, and it
+    cannot learn the ranking (negative control: the same training without the drop learns it; see above)."""
+    records, validation = synthetic_records(12, 1), synthetic_records(4, 2)
+    train(records, validation, tmp_path, warm_epochs=15, rl_epochs=5, batch=16, seed=0,
+          drop_features=("last_mean_log_share", "keys"), log=lambda _: None)
+    model, saved = load_ranker(tmp_path / "ranker.pt")
+    assert saved["dropped_features"] == ["last_mean_log_share", "key_norm_rank", "key_distinct_rank"]
+    features = Decisions(validation).features[:8]
+    moved = features.clone()
+    moved[..., dropped_columns(("last_mean_log_share", "keys"))] = torch.randn(8, features.shape[1], 3)
+    for scorer in (lambda x: model(x)[0].detach().numpy(), lambda x: model.inference()(x.numpy())[0]):
+        np.testing.assert_allclose(scorer(features), scorer(moved), rtol=0, atol=1e-5)
+    kept = moved.clone()
+    kept[..., RANK_FEATURES.index("last_max_log_share")] += 1.0  # a column it reads: the scores move
+    assert not np.allclose(model(features)[0].detach().numpy(), model(kept)[0].detach().numpy())
+    untrained = regret_table(Decisions(validation), BlockScorer())["ranker"]["all"]
+    assert saved["best"]["regret"] > 0.5 * untrained
+    with pytest.raises(ValueError, match="neither a feature"):
+        dropped_columns(("positon",))
+
+
+def test_training_refuses_to_write_an_untrained_file(tmp_path):
+    records = synthetic_records(2, 1)
+    for warm, rl in ((0, 0), (-1, -1), (-1, 5)):
+        with pytest.raises(ValueError, match="an untrained file is not a policy"):
+            train(records, records, tmp_path, warm_epochs=warm, rl_epochs=rl, log=lambda _: None)
+    assert not (tmp_path / "ranker.pt").exists()
 
 
 # ------------------------------------------------------------------------------------------ file and controller

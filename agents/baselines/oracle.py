@@ -16,6 +16,13 @@ measured with the full cache (attention renormalises once blocks leave), and an 
   future attention (an approximation). Decision points must fall on the reference pass's forward
   boundaries (same ``prefill_chunk``); past the end of the trace (e.g. the reference stopped at EOS earlier)
   nothing is known and blocks are evicted by accumulated mass.
+- ``prefetch=true`` (``oracle:prefetch=true``): the oracle a host tier allows. At each decision point it ranks
+  every live block of every layer, resident or offloaded, by the attention of the queries up to the next
+  decision point (the next ``window`` tokens while the prompt streams, one prefill chunk by default; the next
+  ``decode_window`` tokens once the question is read, the harness's ``decide_every``), ties broken by the
+  attention still to come after that, and keeps the top-b of each layer on the device (``keep_top``: what
+  falls out is evicted, to the host when it has room; what rises in is prefetched). Without it the oracle only
+  evicts, so a block sent to the host never returns: with a host tier that is a weak ceiling.
 - Without a trace (``Oracle()``, as the registry builds it), it is not an oracle: it evicts by accumulated
   attention mass (``acc_mass``, H2O's score without a recent window) and warns once. Build the real one with
   ``Oracle.from_run(model, ids, max_new_tokens, prefill_chunk)``, or record any loop with ``TraceRecorder``.
@@ -38,6 +45,9 @@ class Oracle:
     # its trace is a full-cache run with the same forward passes: recorded under the streaming protocol only
     protocols = ("streaming",)
     horizon: int | None = None  # tokens of future attention summed; None: the rest of the run
+    prefetch: bool = False  # rank resident and offloaded blocks by their next attention; prefetch what rises in
+    window: int = 64  # prefetch: tokens ahead that count while the prompt streams (one prefill chunk)
+    decode_window: int = 8  # prefetch: tokens ahead that count once the question is read (decisions' spacing)
     trace: AttentionTrace | None = field(default=None, repr=False)
 
     @classmethod
@@ -48,9 +58,38 @@ class Oracle:
         return cls(horizon=horizon, trace=record_trace(model, input_ids, max_new_tokens, prefill_chunk, **kwargs))
 
     def decide(self, view: CacheView) -> list[Decision]:
+        if self.prefetch:
+            from kvgym.envs.ranking import keep_top
+
+            return keep_top(view, self.prefetch_scores(view).numpy())
         scores = self.future_scores(view)
         return [d for layer in range(view.num_layers)
                 for d in evict(layer, lowest_scoring(view, layer, scores[layer], excess_blocks(view, layer)))]
+
+    def prefetch_scores(self, view: CacheView) -> torch.Tensor:
+        """``[L, N]`` keep scores of the prefetching oracle: the attention of the next window's queries, each
+        layer's scaled to at most 1, plus 1e-3 times the later attention (likewise scaled), so that blocks needed
+        next rank first and, among the rest, those needed later stay rather than move."""
+        near_window = self.window if view.phase == "prefill" else self.decode_window
+        near = self._known_future(view, near_window)
+        later = self._known_future(view, self.horizon)
+
+        def scaled(mass: torch.Tensor) -> torch.Tensor:
+            return mass / mass.amax(dim=1, keepdim=True).clamp(min=1e-12)
+
+        return scaled(near) + 1e-3 * scaled(later)
+
+    def _known_future(self, view: CacheView, horizon: int | None) -> torch.Tensor:
+        if self.trace is None:
+            return self.future_scores(view)  # warns: not an oracle
+        if self.trace.mass.shape[1] != view.num_layers:
+            raise ValueError(f"Oracle: the trace has {self.trace.mass.shape[1]} layers, the cache {view.num_layers}")
+        future = self.trace.future_mass(view.seen, horizon)
+        scores = torch.zeros(view.num_layers, view.num_blocks)
+        if future is not None:
+            width = min(view.num_blocks, future.shape[1])
+            scores[:, :width] = future[:, :width]
+        return scores
 
     def future_scores(self, view: CacheView) -> torch.Tensor:
         """``[L, N]`` each block's attention still to come; accumulated mass where nothing is known."""

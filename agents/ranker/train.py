@@ -89,16 +89,60 @@ def plackett_luce_topk(scores: torch.Tensor, candidates: torch.Tensor, room: tor
     return keys, ((ordered - suffix) * take).sum(dim=-1)
 
 
+FEATURE_GROUPS = {  # for ablations: what each group of RANK_FEATURES tells the scorer
+    "place": ("position", "distance_from_end", "layer_depth"),
+    "attention": tuple(f for f in RANK_FEATURES if f.startswith(("last_", "observed_"))),
+    "page_bound": tuple(f for f in RANK_FEATURES if f.startswith("page_bound_")),
+    "keys": ("key_norm_rank", "key_distinct_rank"),
+    "query_similarity": ("query_similarity", "query_similarity_rank"),
+    "context": tuple(f for f in RANK_FEATURES if f.startswith(("tier_", "phase_", "layer_")) and f != "layer_depth")
+    + ("sentence_boundary",),
+}
+
+
+def dropped_columns(drop: tuple[str, ...]) -> list[int]:
+    """Column indexes of ``drop``: feature names of ``RANK_FEATURES`` or group names of ``FEATURE_GROUPS``."""
+    names = []
+    for item in drop:
+        if item in FEATURE_GROUPS:
+            names += FEATURE_GROUPS[item]
+        elif item in RANK_FEATURES:
+            names.append(item)
+        else:
+            raise ValueError(f"drop_features: {item!r} is neither a feature ({', '.join(RANK_FEATURES)}) nor a group "
+                             f"({', '.join(FEATURE_GROUPS)})")
+    return sorted({RANK_FEATURES.index(name) for name in names})
+
+
+def blind_to(model: BlockScorer, columns: list[int]) -> None:
+    """Make ``model`` ignore the feature ``columns``: their first-layer weights are zeroed and kept at zero by
+    zeroing their gradient, so the scorer (and its ``NumpyScorer``, whatever the inputs there) never reads them."""
+    if not columns:
+        return
+    weight = model.body[0].weight
+    with torch.no_grad():
+        weight[:, columns] = 0.0
+    mask = torch.ones_like(weight)
+    mask[:, columns] = 0.0
+    weight.register_hook(lambda grad: grad * mask)
+
+
 def train(records: list[dict], validation: list[dict], out: str | Path, warm_epochs: int = 30, rl_epochs: int = 30,
           samples: int = 8, batch: int = 256, lr: float = 3e-3, rl_lr: float = 1e-3, hidden: int = 64,
-          seed: int = 0, target: str = "future", needle_weight: float = 0.0, log=print) -> dict:
+          seed: int = 0, target: str = "future", needle_weight: float = 0.0, drop_features: tuple[str, ...] = (),
+          log=print) -> dict:
     """Train a ``BlockScorer`` (warm start, then policy gradient); writes ``out/ranker.pt`` (best by validation
     regret), ``out/warm_start.pt`` (the warm start alone), ``out/metrics.jsonl``, TensorBoard events and
     ``out/summary.json``. ``target``: what a ranking's regret is measured against (``Decisions``): the future
     attention, or the teacher's scores (records collected with one: the warm start then imitates the teacher),
-    with ``needle_weight`` for the blocks that state the answer (``Decisions``)."""
+    with ``needle_weight`` for the blocks that state the answer (``Decisions``). ``drop_features``: features or
+    ``FEATURE_GROUPS`` the scorer must not read (``blind_to``; recorded in the file's summary)."""
     from torch.utils.tensorboard import SummaryWriter
 
+    if warm_epochs < 0 or rl_epochs < 0 or warm_epochs + rl_epochs == 0:
+        raise ValueError(f"ranker train: epochs must be >= 0 and not both 0 (got warm {warm_epochs}, "
+                         f"policy gradient {rl_epochs}): an untrained file is not a policy")
+    columns = dropped_columns(tuple(drop_features))
     torch.manual_seed(seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,12 +150,13 @@ def train(records: list[dict], validation: list[dict], out: str | Path, warm_epo
     held = Decisions(validation, target=target, needle_weight=needle_weight)
     model = BlockScorer(len(RANK_FEATURES), hidden)
     model.set_normalisation(data.features[data.candidates])
+    blind_to(model, columns)
     writer = SummaryWriter(str(out / "tensorboard"))
     metrics = (out / "metrics.jsonl").open("w")
     best = {"regret": math.inf}
     summary = {"train_rows": len(data), "validation_rows": len(held), "train_samples": len(records),
                "validation_samples": len(validation), "budgets": list(BUDGETS), "target": target,
-               "needle_weight": needle_weight}
+               "needle_weight": needle_weight, "dropped_features": [RANK_FEATURES[c] for c in columns]}
 
     def evaluate(epoch: int, stage: str, loss: float) -> None:
         model.eval()

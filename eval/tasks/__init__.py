@@ -2,10 +2,11 @@
 
 Importing this package registers every task in :data:`eval.tasks.base.TASKS`
 (``name -> generator(tokenizer, length, seed, index) -> Sample``): passkey, niah_single, niah_multikey,
-niah_multivalue, niah_multiquery, vt, fwe, research, text, and the multi-turn mt_niah, mt_kv, mt_passkey.
+niah_multivalue, niah_multiquery, vt, fwe, research, text, the multi-turn mt_niah, mt_kv, mt_passkey, and
+the retrieval families families_train and families_heldout (``eval.tasks.families``: the generalization split).
 """
 
-from eval.tasks import fwe, multiturn, niah, passkey, research, text, vt  # noqa: F401  (registration)
+from eval.tasks import families, fwe, multiturn, niah, passkey, research, text, vt  # noqa: F401  (registration)
 from eval.tasks.base import TASKS, Sample, get_task, register_task
 
 __all__ = ["TASKS", "Sample", "get_task", "register_task", "generate"]

