@@ -141,6 +141,18 @@ def check_parameter(controller: str, name: str, value, annotation, source: str =
                          f"got {value!r}{source}") from None
 
 
+def resolved_parameters(spec: str, table: dict[str, str] = CONTROLLERS) -> dict:
+    """Every parameter ``make_controller(spec)`` would pass, with the values it would leave to the class's own
+    defaults filled in (what a record must name to say which controller ran: a default policy file included)."""
+    name, overrides = parse_spec(spec)
+    cls = controller_class(name, table)
+    if POSITIONAL in overrides and getattr(cls, "positional_parameter", None):
+        overrides[cls.positional_parameter] = overrides.pop(POSITIONAL)
+    fields = {field.name: field.default for field in (dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ())
+              if field.init and not field.name.startswith("_") and field.default is not dataclasses.MISSING}
+    return {**fields, **config_defaults(name), **overrides}
+
+
 def make_controller(spec: str, table: dict[str, str] = CONTROLLERS):
     """Build a controller from a spec; YAML defaults first, then the spec's overrides. ``table``: where names are
     looked up (``agents.scripted.SCRIPTED`` builds the scripted replay policies with the same grammar)."""

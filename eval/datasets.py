@@ -19,6 +19,7 @@ from pathlib import Path
 from eval.tasks.base import Sample, Turn
 
 DEFAULT_MAX_NEW_TOKENS = 64
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SCHEMAS = {"kvpress": ("context", "question"), "scbench": ("context", "multi_turns")}
 
 
@@ -29,12 +30,20 @@ def _open(path_or_id: str, split: str | None):
     path = Path(path_or_id).expanduser()
     try:
         if path.is_file():
-            kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix.lower())
+            kind = DATA_SUFFIXES.get(path.suffix.lower())
             if kind is None:
                 raise ValueError(f"--dataset {path_or_id!r}: a file must be .jsonl, .json or .parquet")
             return datasets.load_dataset(kind, data_files=str(path), split=split or "train")
         if path.is_dir():
-            loaded = datasets.load_dataset(str(path))
+            data_files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in DATA_SUFFIXES)
+            kinds = {DATA_SUFFIXES[f.suffix.lower()] for f in data_files}
+            if not data_files:
+                raise ValueError(f"--dataset {path_or_id!r}: the folder holds no .jsonl, .json or .parquet file")
+            if len(kinds) > 1:
+                raise ValueError(f"--dataset {path_or_id!r}: the folder mixes JSON and Parquet files "
+                                 f"({', '.join(f.name for f in data_files)}); `datasets` would read only one kind: "
+                                 "keep one kind per folder, or name a file")
+            loaded = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in data_files], split=split or "train")
         else:
             loaded = datasets.load_dataset(path_or_id, split=split)
     except ValueError:
@@ -67,10 +76,19 @@ def sample_from_row(row: dict, name: str, index: int) -> Sample:
     where = f"--dataset {name} row {index}"
     task = str(row.get("task") or name)
     metric = row.get("metric") or "string_match_all"
-    max_new = row.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+    max_new = row.get("max_new_tokens")
+    if max_new is None:
+        max_new = DEFAULT_MAX_NEW_TOKENS
+    if isinstance(max_new, float) and max_new.is_integer():
+        max_new = int(max_new)  # Parquet and pandas store an integer column with gaps as floats
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        raise ValueError(f"{where}: 'max_new_tokens' must be a positive integer (or absent: {DEFAULT_MAX_NEW_TOKENS}), "
+                         f"got {max_new!r}")
     if not isinstance(row.get("context"), str) or not row["context"].strip():
         raise ValueError(f"{where}: 'context' must be a non-empty string")
-    common = {"task": task, "length": 0, "seed": 0, "index": index, "metric": metric, "max_new_tokens": int(max_new)}
+    if row.get("answer_prefix") is not None and not isinstance(row["answer_prefix"], str):
+        raise ValueError(f"{where}: 'answer_prefix' must be a string, got {row['answer_prefix']!r}")
+    common = {"task": task, "length": 0, "seed": 0, "index": index, "metric": metric, "max_new_tokens": max_new}
     if "multi_turns" in row and row["multi_turns"] is not None:
         turns = row["multi_turns"]
         if not isinstance(turns, list) or not turns:

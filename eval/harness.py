@@ -60,8 +60,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -416,11 +418,13 @@ def _turn_view(sample, number: int):
 
 
 def controller_digest(spec: str) -> str | None:
-    """A digest (sha256, 16 hex digits) of the files ``spec`` names (a policy file: ``ranker:policies/x.pt``), or
-    None when it names none."""
-    from agents.registry import parse_spec
+    """A digest (sha256, 16 hex digits) of the files the controller of ``spec`` reads, those it names
+    (``ranker:policies/x.pt``) and those it uses by default (a plain ``ranker``: the shipped file), or None when
+    it reads none."""
+    from agents.registry import resolved_parameters
 
-    files = [Path(value) for value in parse_spec(spec)[1].values() if isinstance(value, str) and Path(value).is_file()]
+    files = [Path(value) for value in resolved_parameters(spec).values()
+             if isinstance(value, str) and value and Path(value).is_file()]
     if not files:
         return None
     digest = hashlib.sha256()
@@ -432,6 +436,18 @@ def controller_digest(spec: str) -> str | None:
 def record_key(record: dict) -> tuple:
     return (str(record["controller"]), float(record["budget"]), str(record["task"]), int(record["length"]),
             int(record["index"]), int(record["seed"]), str(record.get("sample_hash", "")))
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append ``record`` as one line of ``path``, on a line of its own even when the file's last line lacks its
+    newline (a run killed between the two writes of an older kvgym, or an edited file)."""
+    line = json.dumps(record) + "\n"
+    with open(path, "a+b") as sink:
+        if sink.tell() > 0:
+            sink.seek(-1, os.SEEK_END)
+            if sink.read(1) != b"\n":
+                line = "\n" + line
+        sink.write(line.encode("utf-8"))
 
 
 def load_records(path: Path) -> dict[tuple, dict]:
@@ -465,7 +481,27 @@ def _check_config(out: Path, config: dict) -> None:
             details = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"{out} holds results made with other settings ({details}); use a fresh --out")
     else:
-        path.write_text(json.dumps(config, indent=2) + "\n")
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+@contextmanager
+def exclusive_folder(out: Path):
+    """Hold ``out/.eval.lock`` (an OS lock, released when the process ends, killed or not): a second eval into
+    the same folder while one runs is refused instead of writing duplicated rows."""
+    import fcntl
+
+    handle = open(out / ".eval.lock", "a+")  # noqa: SIM115  (held for the whole block)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"--out {out}: another kvgym eval is writing to this folder; wait for it to finish "
+                             "or give another --out") from None
+        yield
+    finally:
+        handle.close()
 
 
 def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, seed: int, out_dir: str | Path, *,
@@ -527,43 +563,46 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
         work.append(_Work(sample.task, sample.length, sample.index, sample))
 
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: a file is there; give a folder (new or one written by kvgym eval)")
     out.mkdir(parents=True, exist_ok=True)
-    name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    _check_config(out, {"model": name, "chat": chat, "host_blocks": host_blocks, "block_size": block_size,
-                        "prefill_chunk": prefill_chunk, "decide_every": decide_every, "protocol": protocol,
-                        "decode_budget": decode_budget})
-    samples_path = out / "samples.jsonl"
-    done = load_records(samples_path)
+    with exclusive_folder(out):
+        name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        _check_config(out, {"model": name, "chat": chat, "host_blocks": host_blocks, "block_size": block_size,
+                            "prefill_chunk": prefill_chunk, "decide_every": decide_every, "protocol": protocol,
+                            "decode_budget": decode_budget})
+        samples_path = out / "samples.jsonl"
+        done = load_records(samples_path)
 
-    runs = [(FULL, FULL_BUDGET)] + [(spec, budget) for spec in specs if spec != FULL for budget in budget_list]
-    digests = {spec: controller_digest(spec) for spec, _ in runs}
-    stale = Counter()  # records of this run's controllers made with another version of the file they name
-    for key, record in list(done.items()):
-        if key[0] in digests and record.get("controller_digest") != digests[key[0]]:
-            stale[key[0]] += 1
-            del done[key]
-    for spec, count in stale.items():
-        warnings.warn(f"{samples_path}: {count} records of {spec} were made with another version of the file it "
-                      "names (or before digests were recorded); those runs go again", stacklevel=2)
-    context = _Context(model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every, protocol,
-                       decode_budget, share_prefill)
-    wanted: list[tuple] = []
-    bar = tqdm(total=len(work) * len(runs), desc="kvgym eval", unit="run", **({} if progress else {"disable": True}))
-    try:
-        for item in work:
-            sample, sample_seed_value = _make_sample(context, item, generators, seed)
-            keys = [(spec, budget, item.task, item.length, item.index, seed, sample_hash(sample))
-                    for spec, budget in runs]
-            wanted += keys
-            missing = [key for key in keys if key not in done]
-            bar.update(len(keys) - len(missing))
-            if missing:
-                _run_sample(context, item, sample, sample_seed_value, keys, done, samples_path, bar, digests)
-    finally:
-        bar.close()
+        runs = [(FULL, FULL_BUDGET)] + [(spec, budget) for spec in specs if spec != FULL for budget in budget_list]
+        digests = {spec: controller_digest(spec) for spec, _ in runs}
+        stale = Counter()  # records of this run's controllers made with another version of the file they name
+        for key, record in list(done.items()):
+            if key[0] in digests and record.get("controller_digest") != digests[key[0]]:
+                stale[key[0]] += 1
+                del done[key]
+        for spec, count in stale.items():
+            warnings.warn(f"{samples_path}: {count} records of {spec} were made with another version of the file it "
+                          "names (or before digests were recorded); those runs go again", stacklevel=2)
+        context = _Context(model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every, protocol,
+                           decode_budget, share_prefill)
+        wanted: list[tuple] = []
+        bar = tqdm(total=len(work) * len(runs), desc="kvgym eval", unit="run", **({} if progress else {"disable": True}))
+        try:
+            for item in work:
+                sample, sample_seed_value = _make_sample(context, item, generators, seed)
+                keys = [(spec, budget, item.task, item.length, item.index, seed, sample_hash(sample))
+                        for spec, budget in runs]
+                wanted += keys
+                missing = [key for key in keys if key not in done]
+                bar.update(len(keys) - len(missing))
+                if missing:
+                    _run_sample(context, item, sample, sample_seed_value, keys, done, samples_path, bar, digests)
+        finally:
+            bar.close()
 
-    records = [done[key] for key in wanted]
-    return report.write_report(records, out, plots=plots)
+        records = [done[key] for key in wanted]
+        return report.write_report(records, out, plots=plots)
 
 
 def check_protocol(specs: list[str], protocol: str) -> None:
@@ -631,8 +670,7 @@ def _run_sample(context: _Context, item: _Work, sample, sample_seed_value, keys:
             record["controller_digest"] = digests[spec]
         # opened per record (not once per run): a file replaced while a long run writes (a `git stash` or
         # checkout of the results folder) still receives every later record, instead of an unlinked copy
-        with open(samples_path, "a", encoding="utf-8") as sink:
-            sink.write(json.dumps(record) + "\n")
+        append_record(samples_path, record)
         done[key] = record
         bar.update(1)
     context.shared = None

@@ -321,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_train.add_argument("--needle-weight", type=float, default=0.0,
                               help="add the blocks that state the answer to the target, worth this many times the "
                                    "rest of the layer (0: off)")
+    ranker_train.add_argument("--budgets", type=parse_fraction_list, default=[0.125, 0.25, 0.5],
+                              help="fractions of the context each one-shot decision point is scored at")
     ranker_train.add_argument("--drop-features", default="",
                               help="comma-separated features or groups (place, attention, page_bound, keys, "
                                    "query_similarity, context) the scorer must not read (ablations)")
@@ -695,7 +697,8 @@ def cmd_ranker(args) -> int:
         summary = train(sets["train"], sets["validation"], args.out, warm_epochs=args.warm_epochs,
                         rl_epochs=args.rl_epochs, seed=args.seed, target=args.target,
                         needle_weight=args.needle_weight,
-                        drop_features=tuple(f.strip() for f in args.drop_features.split(",") if f.strip()))
+                        drop_features=tuple(f.strip() for f in args.drop_features.split(",") if f.strip()),
+                        budgets=tuple(args.budgets))
         print(json.dumps(summary["best"]), f"-> {args.out / 'ranker.pt'}")
         return 0
     if args.ranker == "ppo":
@@ -758,6 +761,9 @@ def _ranker_files(text: str) -> dict[str, Path]:
         name, _, path = pair.partition("=")
         if not name or not path:
             raise ValueError(f"--policies: expected NAME=PATH pairs, got {pair!r}")
+        if name in files:
+            raise ValueError(f"--policies: the name {name!r} is given twice ({files[name]} and {path}); "
+                             "give each file its own name")
         files[name] = Path(path)
     if not files:
         raise ValueError("--policies: expected NAME=PATH pairs, got none")

@@ -53,12 +53,17 @@ def offline_pip(monkeypatch, tmp_path):
 
 @pytest.fixture
 def fake_home(monkeypatch, tmp_path, tiny_checkpoint):
-    """$KVGYM_HOME holding a complete "converted default model" (the tiny checkpoint), manifest included."""
+    """$KVGYM_HOME holding a complete "converted default model" (the tiny checkpoint), manifest included, and the
+    haystack corpora (copied from the real home, where `kvgym setup` put them)."""
+    from eval.tasks.corpora import corpora_folder, ensure_corpora
+
+    corpora = ensure_corpora()
     home = tmp_path / "home"
     folder = home / "models" / SMOLLM2_FOLDER
     shutil.copytree(tiny_checkpoint, folder)
     _write_manifest(folder)
     monkeypatch.setenv("KVGYM_HOME", str(home))
+    shutil.copytree(corpora, corpora_folder())
     return folder
 
 
@@ -96,6 +101,10 @@ def _broken_statistics(tmp_path, request):
     shutil.copytree(run.root / "runs", tmp_path / "runs")
     for stats in (tmp_path / "runs" / "ppo_tiny" / "checkpoints").glob("ppo_vecnormalize_*.pkl"):
         stats.write_bytes(stats.read_bytes()[:40])
+
+
+def _out_is_file(tmp_path, request):
+    (tmp_path / "out").write_text("results")
 
 
 def _nothing(tmp_path, request):
@@ -186,6 +195,8 @@ CASES = [
                  id="good-budget-text"),
     pytest.param([*EVAL, "--budgets", "0.5,2"], _nothing, 2, ["--budgets"], ["out"], id="good-eval-budget"),
     pytest.param([*EVAL, "--tasks", "nope"], _nothing, 2, ["unknown task 'nope'"], ["out"], id="good-eval-task"),
+    pytest.param([*EVAL, "--controllers", "lru"], _out_is_file, 2, ["--out", "a file is there"], [],
+                 id="eval-out-is-a-file"),
     pytest.param(_train_args("ppo.lr=3"), _nothing, 2, ["'ppo.lr' is unknown"], ["runs"], id="good-train-unknown-key"),
     pytest.param(["train", "--config", "no_such_config"], _nothing, 2, ["no_such_config", "ppo_tiny"], [],
                  id="good-train-unknown-config"),
@@ -329,3 +340,88 @@ def test_vector_env_refuses_bad_actions_and_steps_after_close():
     venv.close()
     with pytest.raises(RuntimeError, match=r"after close\(\)"):
         venv.step_async(np.zeros((2, 8), np.int64))
+
+
+# ---------------------------------------------------------------------------------------------------- round two
+def _dataset_folder(tmp_path, rows, mixed=False):
+    folder = tmp_path / "data"
+    folder.mkdir(exist_ok=True)
+    (folder / "b.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "README.md").write_text("not data")
+    if mixed:
+        import datasets
+
+        datasets.Dataset.from_list(rows).to_parquet(str(folder / "a.parquet"))
+    return str(folder)
+
+
+ROW = {"context": "The code is 4172. " * 4, "question": " What is the code?", "answers": ["4172"]}
+
+
+def _load(tmp_path, rows, mixed=False):
+    from eval.datasets import load_samples
+
+    return load_samples(_dataset_folder(tmp_path, rows, mixed))
+
+
+API_CASES = [  # issue 41: what once passed silently, or with a traceback, and the message it now gives
+    pytest.param(lambda tmp: _load(tmp, [ROW], mixed=True), "mixes JSON and Parquet", id="3-dataset-folder-mixed"),
+    pytest.param(lambda tmp: _load(tmp, [{**ROW, "max_new_tokens": 0}]), "row 0: 'max_new_tokens' must be a positive",
+                 id="4-dataset-max-new-tokens-0"),
+    pytest.param(lambda tmp: _load(tmp, [{**ROW, "max_new_tokens": -3}]), "got -3", id="4-dataset-max-new-tokens-neg"),
+    pytest.param(lambda tmp: _load(tmp, [{**ROW, "max_new_tokens": "abc"}]), "got 'abc'",
+                 id="4-dataset-max-new-tokens-text"),
+    pytest.param(lambda tmp: _load(tmp, [{**ROW, "answer_prefix": 5}]), "'answer_prefix' must be a string, got 5",
+                 id="dataset-answer-prefix-number"),
+    pytest.param(lambda tmp: __import__("kvgym.cli").cli._ranker_files("a=x.pt,a=y.pt"),
+                 "the name 'a' is given twice", id="5-duplicate-policy-names"),
+    pytest.param(lambda tmp: make_env(decide_every=0), "decide_every 0: must be a positive integer",
+                 id="6-env-decide-every-0"),
+    pytest.param(lambda tmp: make_env(prefill_chunk=0), "prefill_chunk 0", id="env-prefill-chunk-0"),
+    pytest.param(lambda tmp: make_env(max_new_tokens=-5), "max_new_tokens -5", id="env-max-new-tokens-negative"),
+]
+
+
+@pytest.mark.parametrize("call, message", API_CASES)
+def test_bad_input_through_the_api(call, message, tmp_path):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        call(tmp_path)
+
+
+def test_a_dataset_folder_of_one_kind_reads_every_file(tmp_path):
+    samples = _load(tmp_path, [ROW, {**ROW, "max_new_tokens": 7.0}])  # a float column: an integer with gaps
+    assert [s.max_new_tokens for s in samples] == [64, 7]
+
+
+def test_records_name_the_digest_of_the_default_policy_file():
+    """Issue case 1: a plain `ranker` spec reads the shipped file; its records must carry that file's digest, so a
+    changed file is never answered with old rows."""
+    from eval.harness import controller_digest
+
+    assert controller_digest("ranker") is not None
+    assert controller_digest("ranker") == controller_digest("ranker:policies/ranker_smollm2.pt")
+    assert controller_digest("ranker") != controller_digest("ranker:policies/ranker_blind_smollm2.pt")
+    assert controller_digest("h2o") is None
+
+
+def test_a_record_is_never_glued_onto_a_last_line_without_newline(tmp_path):
+    """Issue case 2: appending after a complete record that lacks its newline kept both on one line."""
+    from eval.harness import append_record, load_records
+
+    first = {"controller": "lru", "budget": 0.5, "task": "passkey", "length": 256, "index": 0, "seed": 0}
+    path = tmp_path / "samples.jsonl"
+    path.write_text(json.dumps(first))  # no newline
+    append_record(path, {**first, "index": 1})
+    append_record(path, {**first, "index": 2})
+    assert len(load_records(path)) == 3 and path.read_text().count("\n") == 3
+
+
+def test_a_second_eval_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
+    from eval.harness import exclusive_folder
+
+    with exclusive_folder(tmp_path):
+        with pytest.raises(ValueError, match="another kvgym eval is writing to this folder"):
+            with exclusive_folder(tmp_path):
+                pass
+    with exclusive_folder(tmp_path):  # released: the next one runs
+        pass

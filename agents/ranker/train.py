@@ -130,13 +130,14 @@ def blind_to(model: BlockScorer, columns: list[int]) -> None:
 def train(records: list[dict], validation: list[dict], out: str | Path, warm_epochs: int = 30, rl_epochs: int = 30,
           samples: int = 8, batch: int = 256, lr: float = 3e-3, rl_lr: float = 1e-3, hidden: int = 64,
           seed: int = 0, target: str = "future", needle_weight: float = 0.0, drop_features: tuple[str, ...] = (),
-          log=print) -> dict:
+          budgets: tuple[float, ...] = BUDGETS, log=print) -> dict:
     """Train a ``BlockScorer`` (warm start, then policy gradient); writes ``out/ranker.pt`` (best by validation
     regret), ``out/warm_start.pt`` (the warm start alone), ``out/metrics.jsonl``, TensorBoard events and
     ``out/summary.json``. ``target``: what a ranking's regret is measured against (``Decisions``): the future
     attention, or the teacher's scores (records collected with one: the warm start then imitates the teacher),
     with ``needle_weight`` for the blocks that state the answer (``Decisions``). ``drop_features``: features or
-    ``FEATURE_GROUPS`` the scorer must not read (``blind_to``; recorded in the file's summary)."""
+    ``FEATURE_GROUPS`` the scorer must not read (``blind_to``; recorded in the file's summary). ``budgets``: the
+    fractions of the context each one-shot decision point is scored at (streaming states keep their own)."""
     from torch.utils.tensorboard import SummaryWriter
 
     if warm_epochs < 0 or rl_epochs < 0 or warm_epochs + rl_epochs == 0:
@@ -146,8 +147,8 @@ def train(records: list[dict], validation: list[dict], out: str | Path, warm_epo
     torch.manual_seed(seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    data = Decisions(records, target=target, needle_weight=needle_weight)
-    held = Decisions(validation, target=target, needle_weight=needle_weight)
+    data = Decisions(records, budgets=budgets, target=target, needle_weight=needle_weight)
+    held = Decisions(validation, budgets=budgets, target=target, needle_weight=needle_weight)
     model = BlockScorer(len(RANK_FEATURES), hidden)
     model.set_normalisation(data.features[data.candidates])
     blind_to(model, columns)
@@ -155,7 +156,7 @@ def train(records: list[dict], validation: list[dict], out: str | Path, warm_epo
     metrics = (out / "metrics.jsonl").open("w")
     best = {"regret": math.inf}
     summary = {"train_rows": len(data), "validation_rows": len(held), "train_samples": len(records),
-               "validation_samples": len(validation), "budgets": list(BUDGETS), "target": target,
+               "validation_samples": len(validation), "budgets": list(budgets), "target": target,
                "needle_weight": needle_weight, "dropped_features": [RANK_FEATURES[c] for c in columns]}
 
     def evaluate(epoch: int, stage: str, loss: float) -> None:

@@ -396,7 +396,7 @@ class Decisions:
     def regret_by(self, scores: torch.Tensor) -> dict[str, float]:
         """Mean regret of the deterministic top-b of ``scores`` per budget, per phase and over all rows."""
         regret = self.regret(scores)
-        table = {str(b): float(regret[self.budget == b].mean()) for b in BUDGETS if (self.budget == b).any()}
+        table = {str(b): float(regret[self.budget == b].mean()) for b in sorted(set(self.budget.tolist()))}
         table |= {phase: float(regret[self.phase == i].mean()) for i, phase in enumerate(PHASES)
                   if (self.phase == i).any()}
         table["all"] = float(regret.mean())

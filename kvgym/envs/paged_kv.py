@@ -153,6 +153,12 @@ class PagedKVCacheEnv(gym.Env):
             model, tokenizer = loaded.model, loaded.tokenizer
         if tokenizer is None:
             raise ValueError("tokenizer: a tokenizer is needed to build task prompts (pass one with the model)")
+        for name, value in (("decide_every", decide_every), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} {value!r}: must be a positive integer (tokens between decisions)")
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                           or max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens {max_new_tokens!r}: must be a positive integer or None (the task's own)")
         low, high = budget_range
         if not 0.0 < low <= high <= 1.0:
             raise ValueError(f"budget_range {budget_range!r}: need 0 < low <= high <= 1")
