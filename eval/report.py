@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -104,9 +105,29 @@ def write_summary_csv(rows: list[dict], path: Path) -> None:
             writer.writerow([_format(column, row[column]) for column in SUMMARY_COLUMNS])
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The records of a JSON-lines file (``samples.jsonl``, kvpress's results), blank lines skipped."""
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+def read_jsonl(path: str | Path, needed: tuple[str, ...] = ()) -> list[dict]:
+    """The records of a JSON-lines file (``samples.jsonl``, kvpress's results), blank lines skipped; a line that is
+    not a JSON object (with the ``needed`` fields) is an error naming the file and the line. A truncated last line
+    (an interrupted write: no final newline) is skipped with a warning, as ``kvgym eval`` does on resume."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines) and not text.endswith("\n"):
+                warnings.warn(f"{path}: skipping the truncated last line {number} (an interrupted write)", stacklevel=2)
+                break
+            raise ValueError(f"{path} line {number}: not JSON ({error.msg}); fix or remove the line") from None
+        missing = [field for field in needed if not isinstance(record, dict) or field not in record]
+        if not isinstance(record, dict) or missing:
+            raise ValueError(f"{path} line {number}: not a record with {', '.join(needed) or 'fields'} "
+                             f"(got {line[:60]!r}); fix or remove the line")
+        records.append(record)
+    return records
 
 
 def _sample_key(record: dict) -> tuple:

@@ -902,13 +902,16 @@ def cmd_peer(args) -> int:
     return 0
 
 
+SAMPLE_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "score")  # what reports read of a record
+
+
 def cmd_compare(args) -> int:
     from eval.env_benchmark import write_report
     from eval.report import paired_differences, paired_differences_md, read_jsonl
 
     if not args.samples.is_file():
         raise ValueError(f"--samples {args.samples}: no such file; give a samples.jsonl written by kvgym eval")
-    rows = paired_differences(read_jsonl(args.samples), args.controller)
+    rows = paired_differences(read_jsonl(args.samples, SAMPLE_FIELDS), args.controller)
     if not rows:
         raise ValueError(f"{args.samples}: no other controller ran the same samples at {args.controller}'s budgets")
     if args.json is not None:
@@ -926,7 +929,7 @@ def cmd_report(args) -> int:
     samples = args.folder / "samples.jsonl"
     if not samples.is_file():
         raise ValueError(f"{args.folder}: no samples.jsonl in it; give a folder written by kvgym eval")
-    records = list({record_key(record): record for record in read_jsonl(samples)}.values())
+    records = list({record_key(record): record for record in read_jsonl(samples, SAMPLE_FIELDS)}.values())
     if not records:
         raise ValueError(f"{samples}: no records")
     rows = write_report(records, args.folder, plots=not args.no_plots)
@@ -940,12 +943,17 @@ def main(argv: list[str] | None = None) -> int:
                 "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "ranker": cmd_ranker, "tensorboard": cmd_tensorboard,
                 "peer": cmd_peer, "compare": cmd_compare, "report": cmd_report}
     from cache.models import ModelBuildError
+    from eval.tasks.corpora import CorpusError
 
     try:
         return handlers[args.command](args)
-    except (ValueError, OSError, ModelBuildError) as err:  # bad input, files, a model that cannot be built
+    except (ValueError, OSError, ModelBuildError, CorpusError) as err:  # bad input, files, what cannot be built
         print(f"kvgym {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # every record written so far is kept; eval, train and collect resume
+        print(f"kvgym {args.command}: interrupted; what was written is kept (rerun the same command to resume)",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

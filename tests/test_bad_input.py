@@ -425,3 +425,55 @@ def test_a_second_eval_into_the_same_folder_is_refused_while_the_first_runs(tmp_
                 pass
     with exclusive_folder(tmp_path):  # released: the next one runs
         pass
+
+
+def _samples_file(tmp_path, text):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "samples.jsonl").write_text(text)
+    return str(tmp_path / "out")
+
+
+GOOD_RECORD = json.dumps({"controller": "lru", "budget": 0.5, "task": "passkey", "length": 256, "index": 0, "seed": 0,
+                          "score": 1.0})
+REPORT_CASES = [  # report / compare on damaged results: the file and the line, not a KeyError
+    pytest.param(GOOD_RECORD + "\n" + json.dumps({"controller": "lru"}) + "\n", "line 2: not a record with",
+                 id="record-without-score"),
+    pytest.param("[1, 2, 3]\n", "line 1: not a record with", id="a-list-line"),
+    pytest.param("garbage\n" + GOOD_RECORD + "\n", "line 1: not JSON", id="a-garbage-line"),
+]
+
+
+@pytest.mark.parametrize("text, message", REPORT_CASES)
+def test_reports_name_the_bad_line(text, message, tmp_path, capsys):
+    folder = _samples_file(tmp_path, text)
+    for argv in (["report", folder, "--no-plots"], ["compare", "--samples", f"{folder}/samples.jsonl",
+                                                     "--controller", "lru"]):
+        assert main(argv) == 2
+        printed = capsys.readouterr().err
+        assert message in printed and "samples.jsonl" in printed and "Traceback" not in printed
+
+
+def test_a_junk_file_among_decision_points_is_named(tmp_path):
+    from kvgym.envs.decisions import Decisions, load_records
+
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="junk.pt: not a decision point"):
+        load_records([tmp_path / "junk.pt"])
+    import torch
+
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="other.pt: not a decision point"):
+        load_records([tmp_path / "other.pt"])
+    with pytest.raises(ValueError, match="no records"):
+        Decisions([])
+
+
+def test_the_replay_env_refuses_a_row_it_does_not_have():
+    from kvgym.envs.decisions import Decisions, RankingReplayEnv
+    from tests.test_ranking import synthetic_records
+
+    env = RankingReplayEnv(Decisions(synthetic_records(1, 0)), max_blocks=32)
+    for row in (10**6, -1, 1.5):
+        with pytest.raises(ValueError, match=r"options\['row'\]"):
+            env.reset(options={"row": row})
+    env.reset(options={"row": 0})

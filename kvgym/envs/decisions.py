@@ -333,6 +333,8 @@ class Decisions:
     def __init__(self, records: list[dict], budgets=BUDGETS, target: str = "future", needle_weight: float = 0.0):
         if target not in TARGETS:
             raise ValueError(f"Decisions target: expected one of {', '.join(TARGETS)}, got {target!r}")
+        if not records:
+            raise ValueError("Decisions: no records (collect some with `kvgym ranker collect`)")
         if not needle_weight >= 0:
             raise ValueError(f"Decisions needle_weight: expected a weight >= 0, got {needle_weight!r}")
         if needle_weight and any("answer_blocks" not in r for r in records):
@@ -408,7 +410,14 @@ def load_records(paths: list[Path]) -> list[dict]:
     states (the future attention cut to the blocks read by then, or padded with zeros for a block begun since)."""
     records = []
     for path in paths:
-        record = torch.load(path, weights_only=True)
+        try:
+            record = torch.load(path, weights_only=True)
+        except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged or foreign file)
+            raise ValueError(f"{path}: not a decision point of `kvgym ranker collect` ({type(error).__name__}); "
+                             "remove it or collect it again (a rerun of collect rewrites missing files)") from None
+        if not isinstance(record, dict) or not {"features", "future_heads", "context_tokens"} <= set(record):
+            raise ValueError(f"{path}: not a decision point of `kvgym ranker collect` (no features / future_heads); "
+                             "remove it or collect it again")
         others = record.pop("other_states", [])
         records.append(record)
         for state in others:
@@ -469,7 +478,11 @@ class RankingReplayEnv(gym.Env):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
-        self._row = int((options or {}).get("row", self.np_random.integers(len(self.decisions))))
+        row = (options or {}).get("row", self.np_random.integers(len(self.decisions)))
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < len(self.decisions):
+            raise ValueError(f"RankingReplayEnv.reset: options['row'] {row!r} must be a row index in "
+                             f"0..{len(self.decisions) - 1}")
+        self._row = int(row)
         return self._observation(), {"row": self._row, "budget": float(self.decisions.budget[self._row])}
 
     def step(self, action):
