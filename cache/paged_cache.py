@@ -83,6 +83,17 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 MERGE_CHUNK = 1 << 24  # most similarity scores (floats) a merge holds at once; larger batches go in chunks
 
 
@@ -397,10 +408,28 @@ class PagedKVCache(Cache):
             attention_kwargs["paged_cache"] = self  # reaches the paged attention function
         return self.layers[layer_idx].update(key_states, value_states)
 
+    def _check_memory(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """Refuse pools that cannot fit in the memory this machine has free (before allocating them: a huge
+        ``block_size`` or tier would otherwise take minutes to fail, or take all the memory)."""
+        available = available_memory_bytes()
+        if available is None:
+            return
+        per_block = 2 * self.block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        blocks = self.config.host_blocks + (2 * self.device_blocks if torch.device(device).type == "cpu" else 0)
+        needed = self.num_layers * blocks * per_block
+        if needed > 0.9 * available:
+            raise ValueError(
+                f"the paged cache needs {needed / 2**30:.1f} GiB of CPU memory ({self.num_layers} layers x "
+                f"{blocks} blocks of {self.block_size} tokens: device pool and its mirror "
+                f"{self.device_blocks} blocks, host tier {self.config.host_blocks}), but {available / 2**30:.1f} GiB "
+                "are free: use a smaller --block-size (16 is the default) or fewer --host-blocks")
+
     def _init_pools(self, layer: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
         """Create ``layer``'s tier pools and attach its mirror. Its device pool and mirror are views of the
         stacked storage of all layers, allocated for every layer at the first call; a layer whose shape
         differs from the first one's gets a stack of its own."""
+        if not self._stacks:
+            self._check_memory(kv_heads, head_dim, dtype, device)
         if self._stacks and self._stacks[0].fits(layer, kv_heads, head_dim, dtype, device):
             stack = self._stacks[0]
         else:

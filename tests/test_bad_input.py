@@ -477,3 +477,19 @@ def test_the_replay_env_refuses_a_row_it_does_not_have():
         with pytest.raises(ValueError, match=r"options\['row'\]"):
             env.reset(options={"row": row})
     env.reset(options={"row": 0})
+
+
+def test_pools_larger_than_free_memory_are_refused_before_allocating(monkeypatch):
+    """`--block-size 100000` with a 512-block host tier asked for 39 GB and failed after 80 s; now refused at once
+    with the size and what to change (a cache that fits still builds)."""
+    import cache.paged_cache as paged
+    from cache.paged_cache import CacheConfig, PagedKVCache
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama()
+    monkeypatch.setattr(paged, "available_memory_bytes", lambda: 64 * 2**20)  # 64 MiB free
+    cache = PagedKVCache(model.config, CacheConfig(block_size=100_000, host_blocks=512))
+    with pytest.raises(ValueError, match="GiB of CPU memory.*--block-size"):
+        model(input_ids=__import__("torch").tensor([[1, 2, 3]]), cache=cache, use_cache=True)
+    small = PagedKVCache(model.config, CacheConfig(block_size=16, host_blocks=4))
+    model(input_ids=__import__("torch").tensor([[1, 2, 3]]), cache=small, use_cache=True)
