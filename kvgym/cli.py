@@ -902,7 +902,8 @@ def cmd_peer(args) -> int:
     return 0
 
 
-SAMPLE_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "score")  # what reports read of a record
+SAMPLE_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "score")  # what report reads of a record
+# (compare pairs by task, length and sample hash or index: the first four and the score)
 
 
 def cmd_compare(args) -> int:
@@ -911,7 +912,7 @@ def cmd_compare(args) -> int:
 
     if not args.samples.is_file():
         raise ValueError(f"--samples {args.samples}: no such file; give a samples.jsonl written by kvgym eval")
-    rows = paired_differences(read_jsonl(args.samples, SAMPLE_FIELDS), args.controller)
+    rows = paired_differences(read_jsonl(args.samples, SAMPLE_FIELDS[:4] + ('score',)), args.controller)
     if not rows:
         raise ValueError(f"{args.samples}: no other controller ran the same samples at {args.controller}'s budgets")
     if args.json is not None:
