@@ -4,7 +4,7 @@ difference from the best heuristic of the cell (bootstrap 95% interval over samp
 and the share of the prefetching oracle's gain over the best heuristic it captures (bootstrap interval of the ratio
 of means).
 
-    python benchmarks/generalization/summarize.py out/heldout_stream_2k_plain ... --json results/generalization/summary.json
+    python benchmarks/generalization/summarize.py out/a+out/a_policy ... --json results/generalization/summary.json
 
 The best heuristic is picked per cell on the reported samples themselves (the comparison most favourable to it).
 """
@@ -41,9 +41,14 @@ def bootstrap(samples: list[str], statistic, boot: int = 4000, seed: int = 0) ->
     return values[int(0.025 * len(values))], values[min(int(0.975 * len(values)), len(values) - 1)]
 
 
-def cell_rows(folder: Path) -> list[dict]:
-    records = list({record_key(r): r for r in read_jsonl(folder / "samples.jsonl")}.values())
-    config = json.loads((folder / "eval_config.json").read_text()) if (folder / "eval_config.json").is_file() else {}
+def cell_rows(cell: str) -> list[dict]:
+    """``cell``: one eval folder, or several joined by ``+`` (the same settings; their records are joined by key)."""
+    folders = [Path(part) for part in cell.split("+")]
+    records = list({record_key(r): r for f in folders for r in read_jsonl(f / "samples.jsonl")}.values())
+    configs = [json.loads((f / "eval_config.json").read_text()) for f in folders]
+    if any(c != configs[0] for c in configs):
+        raise ValueError(f"{cell}: the folders were run with different settings")
+    config, folder = configs[0], folders[0]
     scores: dict[str, dict[str, float]] = defaultdict(dict)  # "controller@budget" -> sample -> score
     full: dict[str, float] = {}
     budgets = sorted({float(r["budget"]) for r in records if r["controller"] != "full"})
@@ -111,7 +116,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("folders", nargs="+", help="eval folders; FOLDER+FOLDER joins the runs of one cell")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rows = [row for folder in args.folders for row in cell_rows(folder)]
