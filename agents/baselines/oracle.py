@@ -80,15 +80,23 @@ class Oracle:
         return scaled(near) + 1e-3 * scaled(later)
 
     def _known_future(self, view: CacheView, horizon: int | None) -> torch.Tensor:
+        """``_trace_future``, 0 past the trace's end (accumulated mass, with a warning, without a trace)."""
         if self.trace is None:
-            return self.future_scores(view)  # warns: not an oracle
+            return self.future_scores(view)
+        future = self._trace_future(view, horizon)
+        return torch.zeros(view.num_layers, view.num_blocks) if future is None else future
+
+    def _trace_future(self, view: CacheView, horizon: int | None) -> torch.Tensor | None:
+        """``[L, N]`` the trace's attention to each block over the next ``horizon`` tokens (None: the rest of the
+        run); None past the trace's end."""
         if self.trace.mass.shape[1] != view.num_layers:
             raise ValueError(f"Oracle: the trace has {self.trace.mass.shape[1]} layers, the cache {view.num_layers}")
         future = self.trace.future_mass(view.seen, horizon)
+        if future is None:
+            return None
         scores = torch.zeros(view.num_layers, view.num_blocks)
-        if future is not None:
-            width = min(view.num_blocks, future.shape[1])
-            scores[:, :width] = future[:, :width]
+        width = min(view.num_blocks, future.shape[1])
+        scores[:, :width] = future[:, :width]
         return scores
 
     def future_scores(self, view: CacheView) -> torch.Tensor:
@@ -99,12 +107,5 @@ class Oracle:
                               "with Oracle.from_run(model, ids, max_new_tokens, prefill_chunk)", stacklevel=3)
                 self._warned = True
             return view.acc_mass
-        if self.trace.mass.shape[1] != view.num_layers:
-            raise ValueError(f"Oracle: the trace has {self.trace.mass.shape[1]} layers, the cache {view.num_layers}")
-        future = self.trace.future_mass(view.seen, self.horizon)
-        if future is None:
-            return view.acc_mass
-        scores = torch.zeros(view.num_layers, view.num_blocks)
-        width = min(view.num_blocks, future.shape[1])
-        scores[:, :width] = future[:, :width]
-        return scores
+        future = self._trace_future(view, self.horizon)
+        return view.acc_mass if future is None else future

