@@ -73,6 +73,10 @@ class CacheView:
     - ``budget_blocks`` ``[L]``, ``pressure`` ``[L]`` (device blocks / budget), ``tier_occupancy`` ``[3]``
       (used / capacity of the device, host and disk pools over all layers; 0 for an absent tier),
       ``device_free`` ``[L]`` (free device-pool blocks per layer);
+    - ``total_budget``: None when each layer has its own budget (the runner's ``budget_scope="layer"``); with
+      ``budget_scope="global"`` (kvpress's ``layerwise=False``) the device budget of all layers together, a
+      controller choosing how many blocks each layer keeps, and ``budget_blocks`` is the current allocation
+      (each layer's device blocks after the previous decision; at the first decision, the even split);
     - ``forward_tokens`` (tokens fed by the latest forward: 1 in a decode step, the chunk size in prefill),
       ``forward_queries`` (queries behind ``last_mass``), ``sentence_length`` (decode steps of the sentence
       being generated, the count behind ``sentence_query``);
@@ -123,10 +127,12 @@ class CacheView:
     question_read: bool = False
     model: object = None
     token_ids: torch.Tensor | None = None
+    total_budget: int | None = None
 
     @classmethod
     def from_cache(cls, cache: PagedKVCache, budget_blocks: list[int], phase: str = "prefill", model=None,
-                   token_ids: torch.Tensor | None = None, question_read: bool | None = None) -> CacheView:
+                   token_ids: torch.Tensor | None = None, question_read: bool | None = None,
+                   total_budget: int | None = None) -> CacheView:
         n = cache.num_logical_blocks()
         tables, stats, bs = cache.tables, cache.stats, cache.block_size
         pinned = torch.zeros(cache.num_layers, n, dtype=torch.bool)
@@ -157,7 +163,7 @@ class CacheView:
             forward_queries=cache.last_forward_queries,
             sentence_length=cache.sentence_query_count,
             phase=phase, question_read=phase != "prefill" if question_read is None else bool(question_read),
-            model=model, token_ids=token_ids,
+            model=model, token_ids=token_ids, total_budget=total_budget,
         )
 
     @property

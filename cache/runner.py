@@ -31,6 +31,12 @@ first answer token is computed on the cache the controller decided. Protocols (`
 
 At each decision point the controller decides, its decisions are applied, then the cache enforces every
 layer's budget with its fallback rule; the evictions that rule had to make are counted as fallbacks.
+
+Budget scope (``budget_scope``): ``layer`` (default) gives every layer its own budget; ``global`` (kvpress's
+``layerwise=False``) holds only the total over layers: the controller sees it as ``CacheView.total_budget``
+and decides how many blocks each layer keeps. After each decision that leaves the total within it, each
+layer's device blocks become its allocation (``CacheView.budget_blocks`` at the next decision, what the
+fallback enforces when a later decision leaves the total over).
 One-shot runs can share their dense prefill across controllers and budgets (``Runner.dense_prefill``,
 then ``run(..., shared=...)`` on a copy of its cache).
 """
@@ -104,6 +110,7 @@ def parse_budget(text, flag: str = "--budget"):
 
 PROTOCOLS = ("streaming", "oneshot", "oneshot-question", "multiturn")
 DECODE_BUDGETS = ("grow", "fixed")
+BUDGET_SCOPES = ("layer", "global")
 
 
 @dataclass
@@ -191,9 +198,10 @@ class _State:
     """One run's moving parts."""
 
     cache: PagedKVCache
-    budget: list[int] | None  # enforced at decision points (None: no decisions)
+    budget: list[int] | None  # enforced at decision points (None: no decisions); global scope: the allocation
     token_ids: list[int]
     context_end: int  # the prompt's context length: a decision past it has read the question
+    total: int | None = None  # global budget scope: the device budget of all layers together
     fallbacks: int = 0
     decisions: int = 0
     ops: dict = field(default_factory=dict)
@@ -209,13 +217,15 @@ class Runner:
     def __init__(self, model, tokenizer=None, cache_config: CacheConfig | None = None,
                  controller: Controller | None = None, budget: float | int | list[int] | None = None,
                  prefill_chunk: int = 64, decide_every: int = 8, fallback_rule: str | None = None,
-                 protocol: str = "streaming", decode_budget: str = "grow"):
+                 protocol: str = "streaming", decode_budget: str = "grow", budget_scope: str = "layer"):
         if prefill_chunk < 1 or decide_every < 1:
             raise ValueError(f"prefill_chunk and decide_every must be >= 1, got {prefill_chunk}, {decide_every}")
         if protocol not in PROTOCOLS:
             raise ValueError(f"--protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
         if decode_budget not in DECODE_BUDGETS:
             raise ValueError(f"--decode-budget {decode_budget!r}: choose one of {', '.join(DECODE_BUDGETS)}")
+        if budget_scope not in BUDGET_SCOPES:
+            raise ValueError(f"--budget-scope {budget_scope!r}: choose one of {', '.join(BUDGET_SCOPES)}")
         self.model = model
         self.tokenizer = tokenizer
         self.cache_config = cache_config or CacheConfig()
@@ -226,6 +236,7 @@ class Runner:
         self.decide_every = decide_every
         self.protocol = protocol
         self.decode_budget = decode_budget
+        self.budget_scope = budget_scope
         # the budget fallback: the controller's own preference (a trained policy names the rule it trained
         # with) unless one is given, else lowest accumulated mass
         self.fallback_rule = fallback_rule or getattr(controller, "fallback_rule", None) or "lowest_mass"
@@ -343,17 +354,18 @@ class Runner:
             cache = self._new_cache(total, **({"track_query_max": True} if track_query_max else {}))
             for a, b in self._chunks(0, dense_end, from_end=True):
                 self._feed(cache, None, prompt.ids[a:b])
-        state = _State(cache, budget, list(prompt.ids[:dense_end]), prompt.context_end)
+        state = _State(cache, budget, list(prompt.ids[:dense_end]), prompt.context_end,
+                       total=sum(budget) if budget is not None and self.budget_scope == "global" else None)
         if one_shot:
             self._decision_point(state, "compress")
             if self.decode_budget == "grow":
-                state.budget = None  # kvpress: the cache grows after the one compression
+                state.budget = state.total = None  # kvpress: the cache grows after the one compression
         # the rest of the prompt but its last token: streamed (context, then question), decisions after chunks
         last = len(prompt.ids) - 1
         segments = [(dense_end, min(prompt.context_end, last)), (max(prompt.context_end, dense_end), last)]
         for a, b in [piece for seg in segments for piece in self._chunks(*seg)]:
             self._feed(cache, state, prompt.ids[a:b])
-            if not one_shot or self._over_budget(cache, state.budget):
+            if not one_shot or self._over_budget(cache, state):
                 # the chunk that ends the question is the question's decision point
                 self._decision_point(state, "question" if b == last and not one_shot else "prefill")
         prefill_s = time.perf_counter() - start
@@ -386,7 +398,7 @@ class Runner:
                 step_bytes.append(sum(cache.last_bytes_read))
                 token = (forced_tokens[step] if forced_tokens
                          else self._pick(logits, do_sample, temperature, top_p, generator))
-                if step % self.decide_every == 0 or self._over_budget(cache, state.budget):
+                if step % self.decide_every == 0 or self._over_budget(cache, state):
                     self._decision_point(state, "decode")
                 step_times.append(time.perf_counter() - step_start)
                 new_tokens.append(token)
@@ -411,10 +423,17 @@ class Runner:
         if self.sentence_end_ids is not None:
             cache.observe_tokens(start, is_sentence_end(token_ids[0].cpu(), self.sentence_end_ids))
 
-    def _over_budget(self, cache: PagedKVCache, budget: list[int] | None) -> bool:
-        if budget is None:
+    @staticmethod
+    def _device_blocks(cache: PagedKVCache) -> list[int]:
+        return [cache.tables.count_in(layer, Tier.DEVICE) for layer in range(cache.num_layers)]
+
+    def _over_budget(self, cache: PagedKVCache, state: _State) -> bool:
+        if state.budget is None:
             return False
-        return any(cache.tables.count_in(layer, Tier.DEVICE) > budget[layer] for layer in range(cache.num_layers))
+        device = self._device_blocks(cache)
+        if state.total is not None:
+            return sum(device) > state.total
+        return any(count > limit for count, limit in zip(device, state.budget, strict=True))
 
     def _decision_point(self, state: _State, phase: str) -> None:
         if self.controller is None or state.budget is None:
@@ -423,9 +442,14 @@ class Runner:
         state.decisions += 1
         view = CacheView.from_cache(cache, state.budget, phase=phase, model=self.model,
                                     token_ids=torch.tensor(state.token_ids, dtype=torch.long),
-                                    question_read=len(state.token_ids) > state.context_end)
+                                    question_read=len(state.token_ids) > state.context_end,
+                                    total_budget=state.total)
         for name, count in apply_decisions(cache, self.controller.decide(view)).items():
             state.ops[name] = state.ops.get(name, 0) + count
+        if state.total is not None:
+            device = self._device_blocks(cache)
+            if sum(device) <= state.total:
+                state.budget = device  # the controller's allocation
         state.fallbacks += cache.enforce_budget(state.budget, self.fallback_rule)
 
     def _eos_ids(self) -> set[int]:

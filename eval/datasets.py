@@ -23,6 +23,39 @@ DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SCHEMAS = {"kvpress": ("context", "question"), "scbench": ("context", "multi_turns")}
 
 
+def _first_row_keys(path: Path, path_or_id: str) -> list[str]:
+    """The columns of a local JSON / JSONL file's first row; a file without rows is an error naming it."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        if path.suffix.lower() == ".jsonl":
+            first = next((line for line in f if line.strip()), None)
+            try:
+                row = None if first is None else json.loads(first)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--dataset {path_or_id!r}: {path.name} line 1 is not JSON ({err.msg})") from None
+        else:
+            try:
+                data = json.load(f) if path.stat().st_size else []
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--dataset {path_or_id!r}: {path.name} is not JSON ({err.msg})") from None
+            row = (data[0] if data else None) if isinstance(data, list) else data
+    if row is None:
+        raise ValueError(f"--dataset {path_or_id!r}: {path.name} holds no rows")
+    if not isinstance(row, dict):
+        raise ValueError(f"--dataset {path_or_id!r}: {path.name}'s rows must be JSON objects, got {type(row).__name__}")
+    return sorted(row)
+
+
+def _check_json_files(files: list[Path], path_or_id: str) -> None:
+    """Local JSON files, before ``datasets`` reads them: each holds rows, all with the same columns."""
+    columns = {f.name: _first_row_keys(f, path_or_id) for f in files if DATA_SUFFIXES[f.suffix.lower()] == "json"}
+    if len({tuple(keys) for keys in columns.values()}) > 1:
+        listed = "; ".join(f"{name}: {', '.join(keys)}" for name, keys in columns.items())
+        raise ValueError(f"--dataset {path_or_id!r}: its files have different columns ({listed}); keep one schema "
+                         "per folder, or name a file")
+
+
 def _open(path_or_id: str, split: str | None):
     import datasets
 
@@ -33,6 +66,7 @@ def _open(path_or_id: str, split: str | None):
             kind = DATA_SUFFIXES.get(path.suffix.lower())
             if kind is None:
                 raise ValueError(f"--dataset {path_or_id!r}: a file must be .jsonl, .json or .parquet")
+            _check_json_files([path], path_or_id)
             return datasets.load_dataset(kind, data_files=str(path), split=split or "train")
         if path.is_dir():
             data_files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in DATA_SUFFIXES)
@@ -43,6 +77,7 @@ def _open(path_or_id: str, split: str | None):
                 raise ValueError(f"--dataset {path_or_id!r}: the folder mixes JSON and Parquet files "
                                  f"({', '.join(f.name for f in data_files)}); `datasets` would read only one kind: "
                                  "keep one kind per folder, or name a file")
+            _check_json_files(data_files, path_or_id)
             loaded = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in data_files], split=split or "train")
         else:
             loaded = datasets.load_dataset(path_or_id, split=split)

@@ -17,7 +17,7 @@ Design:
   (``chat=True``), the answer prefix opening the reply, and the token where the context ends (the
   protocols compress the context and count the budget from it). Natural-text samples (metric ``kl``) are
   never wrapped: their prompt is plain text and the continuation is teacher-forced after it.
-- **Protocol** (``protocol``, ``decode_budget``; ``cache.runner`` documents each): ``streaming``,
+- **Protocol** (``protocol``, ``decode_budget``, ``budget_scope``; ``cache.runner`` documents each): ``streaming``,
   ``oneshot``, ``oneshot-question`` or ``multiturn``. In the one-shot protocols a sample's dense prefill is
   computed once and every run (the full cache's included) continues from its own copy of it
   (``share_prefill=False`` recomputes it per run: same results, for the throughput benchmark).
@@ -201,7 +201,7 @@ def read_tasks_file(path: str | Path) -> list[dict]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"--tasks-file: {str(path)!r} does not exist or is not a file")
-    entries = []
+    entries, seen = [], {}
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -249,8 +249,13 @@ def read_tasks_file(path: str | Path) -> list[dict]:
             max_new = item.get("max_new_tokens", 32)
             if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new <= 0:
                 raise bad(f"'max_new_tokens' must be a positive integer, got {max_new!r}")
-            entries.append({"input": item["input"], "question": question, "answer_prefix": prefix, "outputs": list(outputs),
-                            "metric": item["metric"], "max_new_tokens": max_new, "line": number})
+            entry = {"input": item["input"], "question": question, "answer_prefix": prefix, "outputs": list(outputs),
+                     "metric": item["metric"], "max_new_tokens": max_new}
+            content = json.dumps(entry, sort_keys=True)
+            if content in seen:
+                raise bad(f"repeats line {seen[content]} (the same sample would run and count twice); remove one")
+            seen[content] = number
+            entries.append({**entry, "line": number})
     if not entries:
         raise ValueError(f"--tasks-file: {path.name} holds no samples")
     return entries
@@ -314,7 +319,7 @@ class _Work:
 
 class _Context:
     def __init__(self, model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every,
-                 protocol="streaming", decode_budget="grow", share_prefill=True):
+                 protocol="streaming", decode_budget="grow", share_prefill=True, budget_scope="layer"):
         from cache.paged_cache import CacheConfig
         from cache.sentences import sentence_end_token_ids
 
@@ -322,6 +327,7 @@ class _Context:
         self.cache_config = CacheConfig(block_size=block_size, host_blocks=host_blocks)
         self.prefill_chunk, self.decide_every = prefill_chunk, decide_every
         self.protocol, self.decode_budget, self.share_prefill = protocol, decode_budget, share_prefill
+        self.budget_scope = budget_scope
         # the vocabulary scan is done once here rather than by every Runner
         self.sentence_end_ids = sentence_end_token_ids(tokenizer) if hasattr(tokenizer, "get_vocab") else None
         self.shared = None  # the current sample's dense prefill (one-shot protocols)
@@ -331,7 +337,8 @@ class _Context:
 
         runner = Runner(self.model, None, self.cache_config, controller=controller, budget=budget,
                         prefill_chunk=self.prefill_chunk, decide_every=self.decide_every,
-                        protocol=protocol or self.protocol, decode_budget=self.decode_budget)
+                        protocol=protocol or self.protocol, decode_budget=self.decode_budget,
+                        budget_scope=self.budget_scope)
         runner.tokenizer, runner.sentence_end_ids = self.tokenizer, self.sentence_end_ids
         return runner
 
@@ -472,11 +479,15 @@ def load_records(path: Path) -> dict[tuple, dict]:
     return records
 
 
+CONFIG_DEFAULTS = {"budget_scope": "layer"}  # settings added later: what a folder written before them ran with
+
+
 def _check_config(out: Path, config: dict) -> None:
     path = out / "eval_config.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        changed = {k: (old.get(k), v) for k, v in config.items() if old.get(k) != v}
+        changed = {k: (old.get(k, CONFIG_DEFAULTS.get(k)), v) for k, v in config.items()
+                   if old.get(k, CONFIG_DEFAULTS.get(k)) != v}
         if changed:
             details = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"{out} holds results made with other settings ({details}); use a fresh --out")
@@ -509,7 +520,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
              tasks_file: str | Path | None = None, dataset: str | None = None, dataset_split: str | None = None,
              chat: bool = True, host_blocks: int = 0, block_size: int = 16, prefill_chunk: int = 64,
              decide_every: int = 8, protocol: str = "streaming", decode_budget: str = "grow",
-             share_prefill: bool = True, model_name: str | None = None, progress: bool = True,
+             budget_scope: str = "layer", share_prefill: bool = True, model_name: str | None = None, progress: bool = True,
              plots: bool = True) -> list[dict]:
     """Run the evaluation (see the module docstring) and write the files; returns the summary rows.
 
@@ -520,7 +531,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
     """
     from tqdm import tqdm
 
-    from cache.runner import DECODE_BUDGETS, PROTOCOLS
+    from cache.runner import BUDGET_SCOPES, DECODE_BUDGETS, PROTOCOLS
     from eval import report
 
     max_positions = int(getattr(model.config, "max_position_embeddings", 0)) or None
@@ -531,6 +542,8 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
         raise ValueError(f"--protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
     if decode_budget not in DECODE_BUDGETS:
         raise ValueError(f"--decode-budget {decode_budget!r}: choose one of {', '.join(DECODE_BUDGETS)}")
+    if budget_scope not in BUDGET_SCOPES:
+        raise ValueError(f"--budget-scope {budget_scope!r}: choose one of {', '.join(BUDGET_SCOPES)}")
     check_protocol(specs, protocol)
     if host_blocks < 0:
         raise ValueError(f"--host-blocks: must be >= 0, got {host_blocks}")
@@ -571,7 +584,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
         name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         _check_config(out, {"model": name, "chat": chat, "host_blocks": host_blocks, "block_size": block_size,
                             "prefill_chunk": prefill_chunk, "decide_every": decide_every, "protocol": protocol,
-                            "decode_budget": decode_budget})
+                            "decode_budget": decode_budget, "budget_scope": budget_scope})
         samples_path = out / "samples.jsonl"
         done = load_records(samples_path)
 
@@ -586,7 +599,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
             warnings.warn(f"{samples_path}: {count} records of {spec} were made with another version of the file it "
                           "names (or before digests were recorded); those runs go again", stacklevel=2)
         context = _Context(model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every, protocol,
-                           decode_budget, share_prefill)
+                           decode_budget, share_prefill, budget_scope)
         wanted: list[tuple] = []
         bar = tqdm(total=len(work) * len(runs), desc="kvgym eval", unit="run", **({} if progress else {"disable": True}))
         try:

@@ -135,12 +135,19 @@ def _sample_key(record: dict) -> tuple:
     return record["task"], int(record["length"]), record.get("sample_hash") or record["index"]
 
 
+def bootstrap_interval(diffs: list[float], boot: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """The 95% percentile-bootstrap interval of the mean of paired ``diffs`` (``boot`` resamples, seeded)."""
+    import random
+
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(boot))
+    return means[int(0.025 * boot)], means[min(int(0.975 * boot), boot - 1)]
+
+
 def paired_differences(records: list[dict], controller: str, boot: int = 4000, seed: int = 0) -> list[dict]:
     """``controller`` against every other controller at each budget, on the samples both ran (matched by
     task, length and sample hash; pooled over tasks and lengths): mean score difference, its paired-bootstrap
-    95% interval (``boot`` resamples of the samples, seeded), and the samples won, tied and lost."""
-    import random
-
+    95% interval (``bootstrap_interval``), and the samples won, tied and lost."""
     scores: dict[tuple, dict[tuple, float]] = defaultdict(dict)
     for record in records:
         scores[(record["controller"], float(record["budget"]))][_sample_key(record)] = float(record["score"])
@@ -156,13 +163,11 @@ def paired_differences(records: list[dict], controller: str, boot: int = 4000, s
         if not common:
             continue
         diffs = [mine[budget][s] - theirs[s] for s in common]
-        rng = random.Random(seed)
-        means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(boot))
+        ci_low, ci_high = bootstrap_interval(diffs, boot, seed)
         rows.append({"controller": controller, "other": other, "budget": budget, "n": len(diffs),
                      "mean": sum(mine[budget][s] for s in common) / len(common),
                      "other_mean": sum(theirs[s] for s in common) / len(common),
-                     "difference": sum(diffs) / len(diffs), "ci_low": means[int(0.025 * boot)],
-                     "ci_high": means[min(int(0.975 * boot), boot - 1)], "wins": sum(d > 0 for d in diffs),
+                     "difference": sum(diffs) / len(diffs), "ci_low": ci_low, "ci_high": ci_high, "wins": sum(d > 0 for d in diffs),
                      "ties": sum(d == 0 for d in diffs), "losses": sum(d < 0 for d in diffs)})
     return sorted(rows, key=lambda row: row["budget"])
 

@@ -222,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "across turns)")
     evaluation.add_argument("--decode-budget", default="grow", choices=("grow", "fixed"),
                             help="one-shot protocols: the cache grows after the decision (kvpress), or keeps the budget")
+    evaluation.add_argument("--budget-scope", default="layer", choices=("layer", "global"),
+                            help="layer: every layer holds its share of the budget; global (kvpress's layerwise=False): "
+                                 "only the total over layers holds, and score-based baselines evict their lowest "
+                                 "scores over all layers")
     evaluation.add_argument("--dataset", default=None,
                             help="samples through `datasets`: a local JSONL/Parquet file or folder, or a hub id "
                                  "(kvpress schema: context, question, answers; SCBench: context, multi_turns)")
@@ -411,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--samples", type=Path, required=True, help="a samples.jsonl written by kvgym eval")
     peer.add_argument("--peer", type=Path, required=True,
                       help="kvpress's per-press results (e.g. ../shared/peer/kvpress_2k_results.jsonl)")
+    peer.add_argument("--pair", action="append", default=[], metavar="SPEC=PRESS",
+                      help="pair a kvgym controller spec (or name) with a kvpress press other than its namesake, "
+                           "e.g. kvzip=kvzip_layerwise_shared (repeatable)")
     compare = commands.add_parser(
         "compare", help="one controller against every other on the same samples: paired differences, bootstrap CIs")
     compare.add_argument("--samples", type=Path, required=True, help="a samples.jsonl written by kvgym eval")
@@ -456,8 +463,8 @@ def cmd_eval(args) -> int:
                     args.seed, args.out, tasks_file=args.tasks_file, dataset=args.dataset,
                     dataset_split=args.dataset_split, chat=not args.no_chat, host_blocks=args.host_blocks,
                     block_size=args.block_size, prefill_chunk=args.prefill_chunk, decide_every=args.decide_every,
-                    protocol=args.protocol, decode_budget=args.decode_budget, model_name=args.model,
-                    plots=not args.no_plots)
+                    protocol=args.protocol, decode_budget=args.decode_budget, budget_scope=args.budget_scope,
+                    model_name=args.model, plots=not args.no_plots)
     failed = sorted({(r["task"], r["length"]) for r in rows if r["full_cache_failed"]})
     print((args.out / "summary.md").read_text())
     if failed:
@@ -895,7 +902,13 @@ def cmd_peer(args) -> int:
     for path in (args.samples, args.peer):
         if not path.is_file():
             raise ValueError(f"{path}: no such file; give a samples.jsonl and a kvpress results file")
-    rows = compare(args.samples, args.peer)
+    pairs = {}
+    for item in args.pair:
+        spec, sep, press = item.rpartition("=")
+        if not sep or not spec or not press:
+            raise ValueError(f"--pair {item!r}: give SPEC=PRESS, e.g. kvzip=kvzip_layerwise_shared")
+        pairs[spec] = press
+    rows = compare(args.samples, args.peer, pairs)
     if not rows:
         raise ValueError(f"{args.samples}: no controller with a kvpress counterpart on the same sample indexes")
     print(markdown(rows))

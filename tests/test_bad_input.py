@@ -379,7 +379,56 @@ API_CASES = [  # issue 41: what once passed silently, or with a traceback, and t
                  id="6-env-decide-every-0"),
     pytest.param(lambda tmp: make_env(prefill_chunk=0), "prefill_chunk 0", id="env-prefill-chunk-0"),
     pytest.param(lambda tmp: make_env(max_new_tokens=-5), "max_new_tokens -5", id="env-max-new-tokens-negative"),
+    pytest.param(lambda tmp: make_env(tasks=()), "tasks: the list is empty", id="env-tasks-empty"),
+    pytest.param(lambda tmp: make_env(tasks="toy_recall,nope"), "unknown task 'nope'", id="env-tasks-string-unknown"),
+    pytest.param(lambda tmp: _load(tmp, []), "b.jsonl holds no rows", id="dataset-empty-jsonl"),
+    pytest.param(lambda tmp: _json_file(tmp, "[]"), "rows.json holds no rows", id="dataset-empty-json-list"),
+    pytest.param(lambda tmp: _two_schemas(tmp), "different columns", id="dataset-folder-two-schemas"),
+    pytest.param(lambda tmp: _tasks_file_twice(tmp), "line 3: repeats line 1", id="tasks-file-duplicate-line"),
+    pytest.param(lambda tmp: _ranker(stay=1e308), "stay=1e.308 is outside", id="ranker-stay-huge"),
+    pytest.param(lambda tmp: _ranker(stay=float("nan")), "stay=nan is outside", id="ranker-stay-nan"),
 ]
+
+
+def _json_file(tmp_path, text):
+    from eval.datasets import load_samples
+
+    (tmp_path / "rows.json").write_text(text)
+    return load_samples(str(tmp_path / "rows.json"))
+
+
+def _two_schemas(tmp_path):
+    folder = _dataset_folder(tmp_path, [ROW])
+    (tmp_path / "data" / "c.jsonl").write_text(json.dumps({"prompt": "The code is 4172.", "answer": "4172"}) + "\n")
+    from eval.datasets import load_samples
+
+    return load_samples(folder)
+
+
+def _tasks_file_twice(tmp_path):
+    from eval.harness import read_tasks_file
+
+    line = json.dumps({"input": "The code is 4172. What is the code?", "outputs": ["4172"], "metric": "exact"})
+    other = json.dumps({"input": "The code is 9. What is the code?", "outputs": ["9"], "metric": "exact"})
+    (tmp_path / "t.jsonl").write_text(f"{line}\n{other}\n{line}\n")
+    return read_tasks_file(tmp_path / "t.jsonl")
+
+
+def _ranker(**params):
+    from agents.ranker.controller import RankerController
+
+    return RankerController(**params)
+
+
+def test_env_takes_one_task_name_as_a_string_and_refuses_render_before_reset():
+    import gymnasium as gym
+
+    env = make_env(tasks="toy_recall", render_mode="ansi")
+    assert env.tasks == ["toy_recall"]  # not ['t', 'o', 'y', ...]
+    with pytest.raises(gym.error.ResetNeeded, match="reset"):
+        env.render()
+    env.reset(seed=0)
+    assert env.render().startswith("L00 ")
 
 
 @pytest.mark.parametrize("call, message", API_CASES)

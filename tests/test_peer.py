@@ -30,4 +30,31 @@ def test_compare_pairs_controllers_with_presses_by_sample(tmp_path):
     assert rows["full"]["same_answer_start"] == 1
     assert rows["tova"]["difference"] == 0.5 and rows["tova"]["same_correctness"] == 1
     assert rows["tova"]["per_task"]["passkey"] == {"kvgym": 1.0, "kvpress": 0.0, "n": 1}
-    assert "| tova | tova | 2 | 0.500 | 0.000 | +0.500 | 1/2 |" in markdown(list(rows.values()))
+    assert "| tova | 1 | tova | 2 | 0.500 | 0.000 | +0.500 |" in markdown(list(rows.values()))
+
+
+def test_compare_pairs_by_ratio_and_protocol(tmp_path):
+    """A kvgym budget pairs with kvpress's ratio 1 - budget in the same protocol, never with another ratio, another
+    protocol or a KVzip variant the caller did not name; ``pairs`` names a variant explicitly."""
+    peer_rows = []
+    for index in range(4):
+        for press, ratio, protocol, correct in [("kvzip", 0.75, "oneshot-question", True),
+                                                ("kvzip", 0.875, "oneshot-question", False),
+                                                ("kvzip", 0.75, "oneshot", False),
+                                                ("kvzip_layerwise_shared", 0.75, "oneshot-question", index < 2)]:
+            peer_rows.append({"press": press, "ratio": ratio, "protocol": protocol, "index": index, "task": "t",
+                              "correct": correct, "answer": "x"})
+    peer = write(tmp_path / "peer.jsonl", peer_rows)
+    samples = write(tmp_path / "samples.jsonl", [
+        {"controller": spec, "budget": budget, "protocol": "oneshot-question", "index": index, "score": score}
+        for index in range(4)
+        for spec, budget, score in [("kvzip", 0.25, 1.0), ("kvzip", 0.125, 0.0), ("kvzip:n_sink=8", 0.25, 0.0)]])
+    rows = {(row["controller"], row["budget"]): row for row in compare(samples, peer)}
+    assert rows["kvzip", 0.25]["kvpress"] == 1.0 and rows["kvzip", 0.25]["difference"] == 0.0  # not the 0.875 rows
+    assert rows["kvzip", 0.125]["kvpress"] == 0.0 and rows["kvzip", 0.125]["same_correctness"] == 4
+    low, high = rows["kvzip:n_sink=8", 0.25]["ci_low"], rows["kvzip:n_sink=8", 0.25]["ci_high"]
+    assert rows["kvzip:n_sink=8", 0.25]["difference"] == -1.0 and low == high == -1.0
+    paired = {(row["controller"], row["budget"]): row
+              for row in compare(samples, peer, pairs={"kvzip:n_sink=8": "kvzip_layerwise_shared"})}
+    assert paired["kvzip:n_sink=8", 0.25]["press"] == "kvzip_layerwise_shared"
+    assert paired["kvzip:n_sink=8", 0.25]["kvpress"] == 0.5 and paired["kvzip", 0.25]["press"] == "kvzip"

@@ -233,3 +233,45 @@ def test_a_multi_turn_prompt_under_oneshot_is_compressed_once_then_answered_turn
     # negative control: the streamed protocol still refuses a multi-turn prompt
     with pytest.raises(ValueError, match="--protocol multiturn"):
         Runner(tiny_model, cache_config=config(), budget=0.25, protocol="streaming").run(prompt, max_new_tokens=2)
+
+
+class LayerOneFirst:
+    """Scores every block of layer 0 above every block of layer 1 and evicts the lowest (``evict_lowest``);
+    records (phase, total budget, allocation, device blocks) at each decision."""
+
+    def __init__(self):
+        self.calls = []
+
+    def decide(self, view):
+        from agents.baselines.base import evict_lowest
+
+        self.calls.append((view.phase, view.total_budget, view.budget_blocks.tolist(), view.device_blocks().tolist()))
+        scores = torch.arange(view.num_blocks, dtype=torch.float32).repeat(view.num_layers, 1)
+        scores[0] += 1000.0
+        return evict_lowest(view, scores)
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_budget_scope_global_lets_scores_choose_each_layers_share(tiny_model, scope):
+    """Global scope (kvpress's layerwise=False): only the total over layers holds, so the lowest scores over all
+    layers go; layer scope (the negative control) keeps the same share in every layer. Under a fixed decode
+    budget the allocation the controller chose carries over to the later decisions, and the total never grows."""
+    ids = ids_of(200)
+    controller = LayerOneFirst()
+    result = Runner(tiny_model, cache_config=config(), controller=controller, budget=0.25, prefill_chunk=16,
+                    protocol="oneshot-question", decode_budget="fixed", decide_every=4, budget_scope=scope).run(
+        Prompt(ids), max_new_tokens=24, stop_at_eos=False)
+    budget = math.ceil(0.25 * 200 / BLOCK)
+    phase, total, allocation, _ = controller.calls[0]
+    assert phase == "compress" and allocation == [budget, budget]
+    assert result.fallbacks == 0
+    device = result.blocks_per_tier["device"]
+    if scope == "layer":
+        assert total is None and device == [budget, budget]
+        return
+    assert total == 2 * budget
+    pinned = CacheConfig().sink_blocks + 1  # the sink blocks and the newest block
+    after = controller.calls[1]
+    assert after[2][1] <= pinned + 1 and after[2][0] + after[2][1] == 2 * budget  # layer 1 gave its blocks to layer 0
+    assert all(sum(call[2]) <= 2 * budget for call in controller.calls[1:])
+    assert sum(device) <= 2 * budget and device[0] > device[1]

@@ -1,4 +1,5 @@
-"""Helpers shared by the baselines: picking blocks to evict or fetch by a score, within each layer's budget;
+"""Helpers shared by the baselines: picking blocks to evict or fetch by a score, within each layer's budget (or
+the global one);
 aggregating per-head scores; layer budget schedules; token-level keys and values of the device blocks."""
 
 from __future__ import annotations
@@ -100,12 +101,28 @@ def observed_mass_heads(view: CacheView) -> torch.Tensor:
 
 def evict_lowest(view: CacheView, scores: torch.Tensor, protect: torch.Tensor | None = None) -> list[Decision]:
     """On every layer over budget, evict the evictable device blocks with the lowest ``scores`` ``[L, N]`` (ties:
-    oldest first) until it fits, never a block where ``protect`` (``[N]`` or ``[L, N]``) is True."""
+    oldest first) until it fits, never a block where ``protect`` (``[N]`` or ``[L, N]``) is True. Under a global
+    budget (``view.total_budget``, kvpress's ``layerwise=False``) the lowest scores over all layers go, until the
+    device total fits: how many blocks each layer keeps follows from the scores."""
+    if view.total_budget is not None:
+        return _evict_lowest_overall(view, scores, protect)
     decisions = []
     for layer in range(view.num_layers):
         guard = protect if protect is None or protect.dim() == 1 else protect[layer]
         decisions += evict(layer, lowest_scoring(view, layer, scores[layer], excess_blocks(view, layer), guard))
     return decisions
+
+
+def _evict_lowest_overall(view: CacheView, scores: torch.Tensor, protect: torch.Tensor | None) -> list[Decision]:
+    excess = int(view.device_blocks().sum()) - int(view.total_budget)
+    if excess <= 0:
+        return []
+    candidates = (view.tier == Tier.DEVICE) & ~view.pinned
+    if protect is not None:
+        candidates &= ~protect.expand_as(candidates)
+    layers, blocks = torch.nonzero(candidates, as_tuple=True)  # layer-major: ties go to the earlier layer, oldest
+    lowest = torch.sort(scores[layers, blocks].float(), stable=True).indices[:excess]
+    return [Decision(int(layers[i]), int(blocks[i]), Op.EVICT) for i in lowest.tolist()]
 
 
 def prompt_first_priority(scores: torch.Tensor, num_blocks: int) -> torch.Tensor:

@@ -19,6 +19,8 @@ from agents.ranker.model import load_ranker
 from cache.controller import CacheView, Decision
 from kvgym.envs.ranking import check_blind_phase, keep_top, policy_features
 
+MAX_STAY = 100.0  # beyond this every resident block outranks every other: the ranking stops mattering
+
 
 @dataclass
 class RankerController:
@@ -37,6 +39,9 @@ class RankerController:
 
     def __post_init__(self):
         check_blind_phase(self.blind_phase)  # at construction, not at the first decision
+        if not 0.0 <= self.stay <= MAX_STAY:  # also refuses NaN
+            raise ValueError(f"ranker: stay={self.stay!r} is outside 0..{MAX_STAY:g} (score standard deviations a "
+                             "resident block is lifted by; 2 is the shipped setting)")
         if self.blind_prefill and not self.blind:
             raise ValueError("ranker: blind_prefill=true needs a blind file (blind=PATH) to make those decisions")
         model, self.summary = load_ranker(self.path)

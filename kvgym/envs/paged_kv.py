@@ -146,13 +146,14 @@ class PagedKVCacheEnv(gym.Env):
                  decide_every: int = 8, max_new_tokens: int | None = None, kl_positions: int = 8,
                  lambda_bytes: float = 0.01, lambda_task: float = 1.0, host_blocks: int | None = None,
                  chat: bool = False, render_mode: str | None = None):
-        if isinstance(model, str):
-            from cache.models import load_model
+        from eval.tasks.base import get_task
 
-            loaded = load_model(model)
-            model, tokenizer = loaded.model, loaded.tokenizer
-        if tokenizer is None:
-            raise ValueError("tokenizer: a tokenizer is needed to build task prompts (pass one with the model)")
+        if isinstance(tasks, str):  # one name, or several separated by commas (as on the command line)
+            tasks = [task.strip() for task in tasks.split(",") if task.strip()]
+        tasks = list(tasks)
+        if not tasks:
+            raise ValueError("tasks: the list is empty; give at least one task name (e.g. ('passkey',))")
+        generators = {task: get_task(task) for task in tasks}  # an unknown name is refused before the model loads
         for name, value in (("decide_every", decide_every), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} {value!r}: must be a positive integer (tokens between decisions)")
@@ -164,9 +165,14 @@ class PagedKVCacheEnv(gym.Env):
             raise ValueError(f"budget_range {budget_range!r}: need 0 < low <= high <= 1")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r}: use one of {self.metadata['render_modes']}")
-        from eval.tasks.base import get_task
+        if isinstance(model, str):
+            from cache.models import load_model
 
-        self.generators = {task: get_task(task) for task in tasks}
+            loaded = load_model(model)
+            model, tokenizer = loaded.model, loaded.tokenizer
+        if tokenizer is None:
+            raise ValueError("tokenizer: a tokenizer is needed to build task prompts (pass one with the model)")
+        self.generators = generators
         self.model, self.tokenizer = model, tokenizer
         self.tasks, self.lengths, self.budget_range = list(tasks), list(lengths), (low, high)
         self.num_candidates, self.prefill_chunk, self.decide_every = num_candidates, prefill_chunk, decide_every
@@ -372,6 +378,8 @@ class PagedKVCacheEnv(gym.Env):
         if self.render_mode is None:
             gym.logger.warn("render() called without a render_mode; pass render_mode='ansi' or 'rgb_array'")
             return None
+        if self.cache is None:
+            raise gym.error.ResetNeeded("render() before reset(): call env.reset() first, there is no cache to show")
         n = self.cache.num_logical_blocks()
         tiers = self.cache.tables.tier[:, :n]
         if self.render_mode == "ansi":
