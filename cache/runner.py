@@ -32,8 +32,8 @@ first answer token is computed on the cache the controller decided. Protocols (`
 At each decision point the controller decides, its decisions are applied, then the cache enforces every
 layer's budget with its fallback rule; the evictions that rule had to make are counted as fallbacks.
 
-Budget scope (``budget_scope``): ``layer`` (default) gives every layer its own budget; ``global`` (kvpress's
-``layerwise=False``) holds only the total over layers: the controller sees it as ``CacheView.total_budget``
+Budget scope (``budget_scope``; None: the controller's ``budget_scope`` attribute, else ``layer``): ``layer``
+gives every layer its own budget; ``global`` (kvpress's ``layerwise=False``) holds only the total over layers: the controller sees it as ``CacheView.total_budget``
 and decides how many blocks each layer keeps. After each decision that leaves the total within it, each
 layer's device blocks become its allocation (``CacheView.budget_blocks`` at the next decision, what the
 fallback enforces when a later decision leaves the total over).
@@ -217,13 +217,15 @@ class Runner:
     def __init__(self, model, tokenizer=None, cache_config: CacheConfig | None = None,
                  controller: Controller | None = None, budget: float | int | list[int] | None = None,
                  prefill_chunk: int = 64, decide_every: int = 8, fallback_rule: str | None = None,
-                 protocol: str = "streaming", decode_budget: str = "grow", budget_scope: str = "layer"):
+                 protocol: str = "streaming", decode_budget: str = "grow", budget_scope: str | None = None):
         if prefill_chunk < 1 or decide_every < 1:
             raise ValueError(f"prefill_chunk and decide_every must be >= 1, got {prefill_chunk}, {decide_every}")
         if protocol not in PROTOCOLS:
             raise ValueError(f"--protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
         if decode_budget not in DECODE_BUDGETS:
             raise ValueError(f"--decode-budget {decode_budget!r}: choose one of {', '.join(DECODE_BUDGETS)}")
+        # the budget scope: as given, else the controller's own (KVzip's default is global, as in kvpress), else layer
+        budget_scope = budget_scope or getattr(controller, "budget_scope", None) or "layer"
         if budget_scope not in BUDGET_SCOPES:
             raise ValueError(f"--budget-scope {budget_scope!r}: choose one of {', '.join(BUDGET_SCOPES)}")
         self.model = model

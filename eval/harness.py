@@ -319,7 +319,7 @@ class _Work:
 
 class _Context:
     def __init__(self, model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every,
-                 protocol="streaming", decode_budget="grow", share_prefill=True, budget_scope="layer"):
+                 protocol="streaming", decode_budget="grow", share_prefill=True, budget_scope=None):
         from cache.paged_cache import CacheConfig
         from cache.sentences import sentence_end_token_ids
 
@@ -479,7 +479,7 @@ def load_records(path: Path) -> dict[tuple, dict]:
     return records
 
 
-CONFIG_DEFAULTS = {"budget_scope": "layer"}  # settings added later: what a folder written before them ran with
+CONFIG_DEFAULTS = {"budget_scope": None}  # settings added later: what a folder written before them ran with
 
 
 def _check_config(out: Path, config: dict) -> None:
@@ -520,7 +520,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
              tasks_file: str | Path | None = None, dataset: str | None = None, dataset_split: str | None = None,
              chat: bool = True, host_blocks: int = 0, block_size: int = 16, prefill_chunk: int = 64,
              decide_every: int = 8, protocol: str = "streaming", decode_budget: str = "grow",
-             budget_scope: str = "layer", share_prefill: bool = True, model_name: str | None = None, progress: bool = True,
+             budget_scope: str | None = None, share_prefill: bool = True, model_name: str | None = None, progress: bool = True,
              plots: bool = True) -> list[dict]:
     """Run the evaluation (see the module docstring) and write the files; returns the summary rows.
 
@@ -542,7 +542,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
         raise ValueError(f"--protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
     if decode_budget not in DECODE_BUDGETS:
         raise ValueError(f"--decode-budget {decode_budget!r}: choose one of {', '.join(DECODE_BUDGETS)}")
-    if budget_scope not in BUDGET_SCOPES:
+    if budget_scope is not None and budget_scope not in BUDGET_SCOPES:
         raise ValueError(f"--budget-scope {budget_scope!r}: choose one of {', '.join(BUDGET_SCOPES)}")
     check_protocol(specs, protocol)
     if host_blocks < 0:

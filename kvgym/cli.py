@@ -222,10 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  "across turns)")
     evaluation.add_argument("--decode-budget", default="grow", choices=("grow", "fixed"),
                             help="one-shot protocols: the cache grows after the decision (kvpress), or keeps the budget")
-    evaluation.add_argument("--budget-scope", default="layer", choices=("layer", "global"),
+    evaluation.add_argument("--budget-scope", default=None, choices=("layer", "global"),
                             help="layer: every layer holds its share of the budget; global (kvpress's layerwise=False): "
                                  "only the total over layers holds, and score-based baselines evict their lowest "
-                                 "scores over all layers")
+                                 "scores over all layers (default: each controller's own: global for kvzip, as in "
+                                 "kvpress, unless kvzip:layerwise=true; layer for the others)")
     evaluation.add_argument("--dataset", default=None,
                             help="samples through `datasets`: a local JSONL/Parquet file or folder, or a hub id "
                                  "(kvpress schema: context, question, answers; SCBench: context, multi_turns)")

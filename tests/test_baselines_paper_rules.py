@@ -234,6 +234,28 @@ def test_kvzip_keeps_the_blocks_a_reconstruction_query_needs_most(tiny_model, mo
     assert evicted(controller.decide(decode)) == [9]  # kept 0, 4, 9: the prompt block of lowest score goes
 
 
+def test_kvzip_prunes_over_all_layers_unless_layerwise(tiny_model, monkeypatch):
+    """kvpress's default (layerwise=False): the lowest scores over every layer go, so a layer whose blocks the
+    reconstruction needs keeps more of them; layerwise=true (the negative control) keeps the same share per layer."""
+    from agents.registry import make_controller
+
+    peaks = torch.full((2, HEADS, 10), 0.1)
+    peaks[0, :, 1:9] = 0.5  # layer 0's blocks all outscore layer 1's
+    peaks[1, :, 3] = 0.3
+    monkeypatch.setattr(kvzip_module, "reconstruction_mass", lambda view, chunk_size: peaks)
+    assert make_controller("kvzip").budget_scope == "global"
+    assert make_controller("kvzip:layerwise=true").budget_scope == "layer"
+    view = CacheView.from_cache(prefilled(tiny_model), [3, 3], phase="compress", model=tiny_model,
+                                token_ids=torch.arange(160), total_budget=6)
+    decisions = KVzip().decide(view)
+    assert evicted(decisions, layer=1) == [1, 2, 3, 4, 5, 6, 7, 8]  # layer 1 keeps its pinned 0 and 9
+    assert evicted(decisions) == [1, 2, 3, 4, 5, 6]  # layer 0 keeps 0, 9 and two more (ties: the oldest go)
+    layer_view = CacheView.from_cache(prefilled(tiny_model), [3, 3], phase="compress", model=tiny_model,
+                                      token_ids=torch.arange(160))
+    per_layer = KVzip(layerwise=True).decide(layer_view)
+    assert evicted(per_layer, layer=1) == [1, 2, 4, 5, 6, 7, 8] and len(evicted(per_layer)) == 7
+
+
 def test_kvzip_before_any_reconstruction_keeps_the_newest_blocks(tiny_model):
     view = CacheView.from_cache(prefilled(tiny_model), [4, 4], phase="prefill")
     assert evicted(KVzip().decide(view)) == [1, 2, 3, 4, 5, 6]

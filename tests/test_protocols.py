@@ -275,3 +275,14 @@ def test_budget_scope_global_lets_scores_choose_each_layers_share(tiny_model, sc
     assert after[2][1] <= pinned + 1 and after[2][0] + after[2][1] == 2 * budget  # layer 1 gave its blocks to layer 0
     assert all(sum(call[2]) <= 2 * budget for call in controller.calls[1:])
     assert sum(device) <= 2 * budget and device[0] > device[1]
+
+
+def test_budget_scope_defaults_to_the_controllers_own(tiny_model):
+    from agents.baselines.kvzip import KVzip
+
+    assert Runner(tiny_model, controller=KVzip(), budget=0.25).budget_scope == "global"  # kvpress's default
+    assert Runner(tiny_model, controller=KVzip(layerwise=True), budget=0.25).budget_scope == "layer"
+    assert Runner(tiny_model, controller=KVzip(), budget=0.25, budget_scope="layer").budget_scope == "layer"
+    assert Runner(tiny_model, controller=LayerOneFirst(), budget=0.25).budget_scope == "layer"
+    with pytest.raises(ValueError, match="--budget-scope 'both'"):
+        Runner(tiny_model, controller=LayerOneFirst(), budget=0.25, budget_scope="both")

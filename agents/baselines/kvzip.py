@@ -21,9 +21,9 @@ On blocks:
   being rebuilt and the reconstruction: the same for contexts of at most ``chunk_size`` tokens);
 - heads: ``aggregation = "max"`` over the layer's query heads (kvpress: max over each KV group);
 - selection: the blocks holding the first ``n_sink`` tokens are protected; the lowest-scoring device blocks are
-  evicted until each layer fits its budget. The budget is per layer (kvpress's ``layerwise = True``): the
-  runner fixes each layer's budget before any score exists, so kvpress's default global pruning across layers
-  (``layerwise = False``) cannot be expressed;
+  evicted. As in kvpress, by default over all layers at once (``layerwise=False``: the controller asks the runner
+  for a global budget, ``budget_scope = "global"``, so each layer keeps as many blocks as its scores earn), or
+  until each layer fits the same share (``layerwise=true``); a run's ``--budget-scope`` overrides either;
 - input: the repeat text is tokenised with the model's tokenizer (``AutoTokenizer`` on the model's
   ``name_or_path``), with the suffix kvpress uses without a chat template, a newline. Every token seen is
   repeated (kvpress skips the chat template's prefix when there is one, and then opens an assistant turn
@@ -42,9 +42,9 @@ Cost: one forward of (instruction + every token seen) over a copy of the cache, 
 reconstruction query recorded (about as much again as the forward's own attention); see the report of issue 12
 for the measured time on SmolLM2-135M at 2k tokens.
 
-Deviations: blocks of 16 tokens; one block set per layer for all KV heads (kvpress selects per KV head; per-KV-
-head selection is out of scope); per-layer budgets (above); KVzip+ normalisation not offered (kvpress's
-``kvzip_plus_normalization``, off by default).
+Deviations: blocks of 16 tokens (``--block-size 1`` gives kvpress's tokens); one block set per layer for all KV
+heads (kvpress selects per KV head: measured in ``results/kvpress_peer/``, it matters at high compression);
+KVzip+ normalisation not offered (kvpress's ``kvzip_plus_normalization``, off by default).
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ class KVzip:
     n_sink: int = 4  # kvpress default: the first tokens are always kept
     chunk_size: int = 2048  # context tokens rebuilt per reconstruction pass (kvpress default)
     aggregation: str = "max"  # over query heads: "max" (kvpress: max over each KV group) or "mean"
+    layerwise: bool = False  # kvpress's flag: the same share of every layer instead of the lowest over all layers
     _scores: torch.Tensor | None = field(default=None, init=False, repr=False)  # [L, P] of the last reconstruction
     _cache: weakref.ref | None = field(default=None, init=False, repr=False)
 
@@ -161,6 +162,11 @@ class KVzip:
         check_choice("KVzip", "aggregation", self.aggregation, AGGREGATIONS)
         if self.chunk_size < 1 or self.n_sink < 0:
             raise ValueError(f"KVzip: chunk_size must be >= 1 and n_sink >= 0, got {self.chunk_size}, {self.n_sink}")
+
+    @property
+    def budget_scope(self) -> str:
+        """The runner's budget scope this controller asks for (``cache.runner``): kvpress's ``layerwise``."""
+        return "layer" if self.layerwise else "global"
 
     def reconstruction_scores(self, view: CacheView) -> torch.Tensor:
         """``[L, N]`` block scores from a reconstruction pass (see the module docstring)."""

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 42: kvgym and kvpress on the same held-out-family samples, as run (two 1-thread lanes side by side).
+# kvpress lives in its own environment (see run_kvpress.py); ../kvpress-venv here.
+set -euo pipefail
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TQDM_DISABLE=1
+D=results/kvpress_peer/families_heldout_2k
+KVPRESS=${KVPRESS:-../kvpress-venv/bin/python}
+
+# the samples: 30 held-out-family samples at 2k (seed 11), plain prompts
+python benchmarks/kvpress_peer/make_samples.py --task families_heldout --length 2048 --n 30 --seed 11 --out $D
+
+# kvpress lane
+$KVPRESS benchmarks/kvpress_peer/run_kvpress.py $D/prompts.json $D/kvpress_results.jsonl \
+  --presses none,kvzip,kvzip_layerwise,kvzip_shared,kvzip_layerwise_shared --ratios 0.75,0.875 --protocols oneshot-question
+$KVPRESS benchmarks/kvpress_peer/run_kvpress.py $D/prompts.json $D/kvpress_results.jsonl \
+  --presses tova,snapkv,knorm,keydiff,expected,streamingllm --ratios 0.75 --protocols oneshot-question
+$KVPRESS benchmarks/kvpress_peer/run_kvpress.py $D/prompts.json $D/kvpress_results.jsonl \
+  --presses none,kvzip,kvzip_layerwise_shared,tova,snapkv,knorm,keydiff,expected,streamingllm --ratios 0.75 --protocols oneshot
+
+# kvgym lane (block size 1, as kvpress keeps tokens)
+COMMON=(--tasks-file $D/families_heldout_2k.jsonl --block-size 1 --no-chat --no-plots --seed 11)
+kvgym eval "${COMMON[@]}" --protocol oneshot-question --budgets 0.25 --out $D/kvgym_oneshot_question \
+  --controllers tova,knorm,keydiff,snapkv:kernel_size=5,pooling=avgpool,expected_attention,streamingllm
+# KVzip: global over layers (kvpress's default, now kvgym's) and the same share per layer
+kvgym eval "${COMMON[@]}" --protocol oneshot-question --budgets 0.25,0.125 \
+  --controllers kvzip,kvzip:layerwise=true --out $D/kvgym_oneshot_question
+
+python benchmarks/kvpress_peer/summarize.py $D
