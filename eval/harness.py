@@ -586,6 +586,9 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
                             "prefill_chunk": prefill_chunk, "decide_every": decide_every, "protocol": protocol,
                             "decode_budget": decode_budget, "budget_scope": budget_scope})
         samples_path = out / "samples.jsonl"
+        if not samples_path.exists() and (out / "samples.jsonl.gz").exists():
+            raise ValueError(f"{out} holds compressed records (samples.jsonl.gz): gunzip it to add runs to them, or "
+                             "use a fresh --out")
         done = load_records(samples_path)
 
         runs = [(FULL, FULL_BUDGET)] + [(spec, budget) for spec in specs if spec != FULL for budget in budget_list]

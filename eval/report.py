@@ -15,6 +15,7 @@ of a budget ran (``pooled_common``: a grid cut part-way still compares like with
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import warnings
@@ -105,11 +106,20 @@ def write_summary_csv(rows: list[dict], path: Path) -> None:
             writer.writerow([_format(column, row[column]) for column in SUMMARY_COLUMNS])
 
 
+def records_file(path: str | Path) -> Path:
+    """``path``, or its gzip-compressed twin ``path.gz`` when only that exists (committed records are compressed)."""
+    path = Path(path)
+    compressed = path.with_name(path.name + ".gz")
+    return compressed if not path.exists() and compressed.is_file() else path
+
+
 def read_jsonl(path: str | Path, needed: tuple[str, ...] = ()) -> list[dict]:
-    """The records of a JSON-lines file (``samples.jsonl``, kvpress's results), blank lines skipped; a line that is
-    not a JSON object (with the ``needed`` fields) is an error naming the file and the line. A truncated last line
-    (an interrupted write: no final newline) is skipped with a warning, as ``kvgym eval`` does on resume."""
-    text = Path(path).read_text(encoding="utf-8")
+    """The records of a JSON-lines file (``samples.jsonl``, kvpress's results; ``.gz``-compressed or not, see
+    ``records_file``), blank lines skipped; a line that is not a JSON object (with the ``needed`` fields) is an
+    error naming the file and the line. A truncated last line (an interrupted write: no final newline) is skipped
+    with a warning, as ``kvgym eval`` does on resume."""
+    path = records_file(path)
+    text = gzip.decompress(path.read_bytes()).decode("utf-8") if path.suffix == ".gz" else path.read_text("utf-8")
     lines = text.splitlines()
     records = []
     for number, line in enumerate(lines, start=1):

@@ -899,9 +899,10 @@ def cmd_tensorboard(args) -> int:
 
 def cmd_peer(args) -> int:
     from eval.peer import compare, markdown
+    from eval.report import records_file
 
     for path in (args.samples, args.peer):
-        if not path.is_file():
+        if not records_file(path).is_file():
             raise ValueError(f"{path}: no such file; give a samples.jsonl and a kvpress results file")
     pairs = {}
     for item in args.pair:
@@ -922,9 +923,9 @@ SAMPLE_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "sco
 
 def cmd_compare(args) -> int:
     from eval.env_benchmark import write_report
-    from eval.report import paired_differences, paired_differences_md, read_jsonl
+    from eval.report import paired_differences, paired_differences_md, read_jsonl, records_file
 
-    if not args.samples.is_file():
+    if not records_file(args.samples).is_file():
         raise ValueError(f"--samples {args.samples}: no such file; give a samples.jsonl written by kvgym eval")
     rows = paired_differences(read_jsonl(args.samples, SAMPLE_FIELDS[:4] + ('score',)), args.controller)
     if not rows:
@@ -939,9 +940,9 @@ def cmd_report(args) -> int:
     """``kvgym eval`` summarises the cells it was asked for; runs added to one folder by several commands (other
     controllers, budgets or n) are summarised together here. A record run twice (same key) counts once."""
     from eval.harness import record_key
-    from eval.report import read_jsonl, write_report
+    from eval.report import read_jsonl, records_file, write_report
 
-    samples = args.folder / "samples.jsonl"
+    samples = records_file(args.folder / "samples.jsonl")
     if not samples.is_file():
         raise ValueError(f"{args.folder}: no samples.jsonl in it; give a folder written by kvgym eval")
     records = list({record_key(record): record for record in read_jsonl(samples, SAMPLE_FIELDS)}.values())

@@ -385,6 +385,7 @@ API_CASES = [  # issue 41: what once passed silently, or with a traceback, and t
     pytest.param(lambda tmp: _json_file(tmp, "[]"), "rows.json holds no rows", id="dataset-empty-json-list"),
     pytest.param(lambda tmp: _two_schemas(tmp), "different columns", id="dataset-folder-two-schemas"),
     pytest.param(lambda tmp: _tasks_file_twice(tmp), "line 3: repeats line 1", id="tasks-file-duplicate-line"),
+    pytest.param(lambda tmp: _eval_into_compressed(tmp), "holds compressed records", id="eval-into-compressed-records"),
     pytest.param(lambda tmp: _ranker(stay=1e308), "stay=1e.308 is outside", id="ranker-stay-huge"),
     pytest.param(lambda tmp: _ranker(stay=float("nan")), "stay=nan is outside", id="ranker-stay-nan"),
 ]
@@ -412,6 +413,15 @@ def _tasks_file_twice(tmp_path):
     other = json.dumps({"input": "The code is 9. What is the code?", "outputs": ["9"], "metric": "exact"})
     (tmp_path / "t.jsonl").write_text(f"{line}\n{other}\n{line}\n")
     return read_tasks_file(tmp_path / "t.jsonl")
+
+
+def _eval_into_compressed(tmp_path):
+    from eval.harness import evaluate
+    from tests.conftest import make_tiny_llama
+
+    (tmp_path / "samples.jsonl.gz").write_bytes(b"")
+    return evaluate(make_tiny_llama(), ByteTokenizer(), "lru", "0.5", ["toy_recall"], [160], 1, 0, tmp_path,
+                    progress=False, plots=False)
 
 
 def _ranker(**params):

@@ -74,3 +74,35 @@ def load():
     assert violations(source, "cache") == ["eval.tasks.base", "agents.registry", "agents.baselines.oracle",
                                            "eval.replay_compare"]
     assert violations("import evaluation\nfrom cachetools import LRUCache\n", "cache") == []  # prefixes, not names
+
+
+# ------------------------------------------------------------------------------- results/: evidence, not artefacts
+RESULTS_FILE_LIMIT = 1_000_000  # bytes
+ARTEFACTS = ("events.out.tfevents", ".pt", ".npz", ".zip", ".ckpt", ".safetensors")
+
+
+def results_problems(files: list[tuple[str, int]]) -> list[str]:
+    """What breaks the rule for ``results/`` among ``(path, size)``: a file over 1 MB, or an artefact (event file,
+    checkpoint, array) that training or a command regenerates."""
+    problems = []
+    for path, size in files:
+        if size > RESULTS_FILE_LIMIT:
+            problems.append(f"{path}: {size / 1e6:.1f} MB (over 1 MB: compress it or keep a summary)")
+        if any(marker in Path(path).name for marker in ARTEFACTS if marker.startswith("events")) or \
+                Path(path).suffix in ARTEFACTS:
+            problems.append(f"{path}: an artefact (event file or checkpoint), not evidence")
+    return problems
+
+
+def test_results_hold_evidence_under_one_megabyte_each():
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files", "results"], cwd=ROOT, capture_output=True, text=True)
+    paths = listed.stdout.split() if listed.returncode == 0 else [
+        str(p.relative_to(ROOT)) for p in (ROOT / "results").rglob("*") if p.is_file()]
+    assert paths, "no file under results/ was found: the check would pass vacuously"
+    files = [(path, (ROOT / path).stat().st_size) for path in paths if (ROOT / path).is_file()]
+    assert results_problems(files) == []
+    # negative control: the rule rejects what it is meant to reject
+    assert len(results_problems([("results/a/samples.jsonl", 2_000_000), ("results/b/ranker.pt", 10),
+                                 ("results/c/events.out.tfevents.1.vm", 10), ("results/d/summary.md", 10)])) == 3

@@ -58,3 +58,17 @@ def test_compare_pairs_by_ratio_and_protocol(tmp_path):
               for row in compare(samples, peer, pairs={"kvzip:n_sink=8": "kvzip_layerwise_shared"})}
     assert paired["kvzip:n_sink=8", 0.25]["press"] == "kvzip_layerwise_shared"
     assert paired["kvzip:n_sink=8", 0.25]["kvpress"] == 0.5 and paired["kvzip", 0.25]["press"] == "kvzip"
+
+
+def test_compressed_records_read_as_they_are(tmp_path):
+    """Committed records are gzip-compressed: a reader given ``samples.jsonl`` finds ``samples.jsonl.gz``."""
+    import gzip
+
+    from eval.report import read_jsonl, records_file
+
+    rows = [{"controller": "full", "index": 0, "score": 1.0}, {"controller": "tova", "index": 0, "score": 0.0}]
+    (tmp_path / "samples.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    assert records_file(tmp_path / "samples.jsonl") == tmp_path / "samples.jsonl.gz"
+    assert read_jsonl(tmp_path / "samples.jsonl", ("controller", "score")) == rows
+    write(tmp_path / "samples.jsonl", rows[:1])  # both there: the plain file is the one a run appends to
+    assert records_file(tmp_path / "samples.jsonl") == tmp_path / "samples.jsonl"
