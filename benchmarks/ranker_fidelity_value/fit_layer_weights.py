@@ -5,8 +5,9 @@ Reads the per-layer regrets of ``variants_seed<SEED>.json`` (``explore_variants.
 weights ≥ 0 (multiplicative random coordinate steps from uniform, 1,500 tries, seeded) that maximise the mean
 within-episode Spearman of ``Σ_layer w · regret`` against the live KL.
 
-    python results/ranker_fidelity_value/fit_layer_weights.py results/ranker_fidelity_value/variants_seed7.json
+    python benchmarks/ranker_fidelity_value/fit_layer_weights.py results/ranker_fidelity_value/variants_seed7.json
 """
+import gzip
 import json
 import sys
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from eval.replay_compare import spearman
 
-rows = json.load(open(sys.argv[1]))
+rows = json.loads(gzip.open(sys.argv[1]).read() if str(sys.argv[1]).endswith('.gz') else open(sys.argv[1]).read())
 key = sys.argv[2] if len(sys.argv) > 2 else "layer_max"
 episodes: dict = {}
 for row in rows:

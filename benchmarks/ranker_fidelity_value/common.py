@@ -1,6 +1,7 @@
 """What output_error.py and output_grad.py share: the decision points of a `kvgym ranker fidelity` JSON, the
 policies it scored, a hook that captures each layer's queries / keys / values, and each block's term of a
 layer's attention output (``c_b = Σ_{i∈b} p_i (v_i − o)`` per head)."""
+import gzip
 import json
 import os
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ BLOCK_SIZE = 16
 
 def load_fidelity(source):
     """The JSON, its live KL by (sample, budget, policy) and its budgets."""
-    data = json.load(open(source))
+    data = json.loads(gzip.open(source).read() if str(source).endswith('.gz') else open(source).read())
     live = {(r["sample"], r["budget"], r["policy"]): r["live_kl"] for r in data["rows"]}
     return data, live, sorted({r["budget"] for r in data["rows"]})
 

@@ -2,7 +2,7 @@
 ``collect.py``: each ranking's share of needle blocks kept on device (sample × layer × block holding a gold
 answer) and its mean regret under each candidate future (0 = that future's oracle).
 
-    python results/ranker_blind_replay/analyze.py /tmp/blind > results/ranker_blind_replay/report.txt
+    python benchmarks/ranker_blind_replay/analyze.py /tmp/blind > results/ranker_blind_replay/report.txt
 """
 
 import sys

@@ -2,7 +2,7 @@
 attention summed over the question + answer (the regret's future), over the answer alone, and the largest
 single-query attention (KVzip-style max) over the question + answer or over the answer alone.
 
-    python results/ranker_blind_replay/collect.py 5 /tmp/blind   # 5 samples per task, seed 102, ~25 s each
+    python benchmarks/ranker_blind_replay/collect.py 5 /tmp/blind   # 5 samples per task, seed 102, ~25 s each
 """
 
 import sys

@@ -4,8 +4,9 @@ and 9; seed 13 (collected after it was fixed) is its test. Reads output_error.py
 live KL and every replay measure) and prints each measure's mean within-episode Spearman on all episodes and on
 the rest.
 
-    python results/ranker_fidelity_value/excluding_all_fail.py results/ranker_fidelity_value/output_sketch256_seed13.json
+    python benchmarks/ranker_fidelity_value/excluding_all_fail.py results/ranker_fidelity_value/output_sketch256_seed13.json
 """
+import gzip
 import json
 import sys
 
@@ -16,7 +17,7 @@ MEASURES = {"replay_regret": "replay regret (the env's reward)", "proj_abs": "ex
             "lin": "linear, no renormalisation", "sketch_head_denom": "sketch, per head renormalised"}
 
 for path in sys.argv[1:]:
-    rows = json.load(open(path))["rows"]
+    rows = json.loads(gzip.open(path).read() if str(path).endswith('.gz') else open(path).read())["rows"]
     best = {}
     for row in rows:
         episode = (row["sample"], row["budget"])

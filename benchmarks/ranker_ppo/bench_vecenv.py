@@ -2,7 +2,7 @@
 path before 2026-12-05) vs the batched RankingReplayVecEnv, side by side in one process, on synthetic decisions
 of the real shape (30 layers × 128 blocks × 36 features; the regret and the policy do not depend on the values).
 
-    OMP_NUM_THREADS=2 python results/ranker_ppo/bench_vecenv.py results/ranker_ppo/bench_vecenv.json
+    OMP_NUM_THREADS=2 python benchmarks/ranker_ppo/bench_vecenv.py results/ranker_ppo/bench_vecenv.json
 """
 import json
 import sys

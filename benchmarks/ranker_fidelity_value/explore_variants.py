@@ -4,25 +4,30 @@ Reuses the live KL rows of a `kvgym ranker fidelity` JSON (the random policy's l
 fixed ranking), recomputes each sample's decision point and writes every policy's per-layer regrets under
 several variants to variants_seed<SEED>.json; analyze_variants.py gives the Spearman per variant.
 
-    python results/ranker_fidelity_value/explore_variants.py 7 2 results/ranker_fidelity_value/seed7.json
-    python results/ranker_fidelity_value/analyze_variants.py results/ranker_fidelity_value/variants_seed7.json
+    python benchmarks/ranker_fidelity_value/explore_variants.py 7 2 results/ranker_fidelity_value/seed7.json
+    python benchmarks/ranker_fidelity_value/analyze_variants.py results/ranker_fidelity_value/variants_seed7.json
 """
-import json, sys, os
+import gzip
+import json
+import os
+import sys
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
+
 from agents.ranker.model import load_ranker
 from cache.models import load_model
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner
 from eval.harness import kl_divergence
-from eval.ranking_fidelity import FEATURE_POLICIES, feature_score, ScoredRanking, spearman
+from eval.ranking_fidelity import FEATURE_POLICIES, ScoredRanking, feature_score
 from eval.tasks import generate
 from eval.tasks.prompt import build_prompt
 from kvgym.envs.decisions import Decisions, decision_point
 from kvgym.envs.reward import ranking_regret
 
 seed, n, src = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-live = {(r["sample"], r["budget"], r["policy"]): r["live_kl"] for r in json.load(open(src))["rows"]}
+live = {(r["sample"], r["budget"], r["policy"]): r["live_kl"] for r in json.loads(gzip.open(src).read() if str(src).endswith('.gz') else open(src).read())["rows"]}
 ranker, _ = load_ranker("policies/ranker_smollm2.pt")
 def fixed_random(features):
     return torch.rand(features.shape[:-1], generator=torch.Generator().manual_seed(0))

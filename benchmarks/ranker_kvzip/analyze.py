@@ -3,7 +3,7 @@ teacher (``kvgym ranker collect --blind --blind-only --teacher kvzip``, validati
 ranking's share of needle blocks kept on device (the measure that agreed with live accuracy in
 ``results/ranker_blind_replay``), its overlap with KVzip's kept set, and its regret against KVzip's scores.
 
-    python results/ranker_kvzip/analyze.py data/ranker_kvzip/validation policies/ranker_smollm2.pt runs/X/ranker.pt
+    python benchmarks/ranker_kvzip/analyze.py data/ranker_kvzip/validation policies/ranker_smollm2.pt runs/X/ranker.pt
 """
 
 import sys

@@ -27,8 +27,8 @@ store of the exact change (``o' − o = −Σ_{b∈D} c_b / (1 − P_D)`` per he
 
 Writes ``output_sketch{SKETCH}_seed{seed}.json`` beside the source.
 
-    python results/ranker_fidelity_value/output_error.py results/ranker_fidelity_value/seed7.json 2
-    python results/ranker_fidelity_value/output_error.py results/ranker_fidelity_value/seed9.json 3 256
+    python benchmarks/ranker_fidelity_value/output_error.py results/ranker_fidelity_value/seed7.json 2
+    python benchmarks/ranker_fidelity_value/output_error.py results/ranker_fidelity_value/seed9.json 3 256
 """
 import json
 import os

@@ -16,7 +16,7 @@ point at top 4, what a trace can store. A ranking's predicted KL is then Fisher'
 
 each compared, within episode, with the JSON's live KL (as output_error.py does with its per-layer measures).
 
-    python results/ranker_fidelity_value/output_grad.py results/ranker_fidelity_value/seed7.json 2
+    python benchmarks/ranker_fidelity_value/output_grad.py results/ranker_fidelity_value/seed7.json 2
 """
 import json
 import os

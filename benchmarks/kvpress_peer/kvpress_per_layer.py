@@ -5,8 +5,8 @@ kvpress's own TOVA does).
 
 Runs in a separate environment with kvpress 0.5.5 (not a kvgym dependency):
     python -m venv /tmp/kvpenv && /tmp/kvpenv/bin/pip install torch==2.13.0 "transformers==5.2.*" kvpress==0.5.5
-    /tmp/kvpenv/bin/python results/peer_kvpress/kvpress_per_layer.py run PROMPTS.json OUT.jsonl [press ...]
-    python results/peer_kvpress/kvpress_per_layer.py table OUT.jsonl KVGYM_SAMPLES.jsonl PEER_RESULTS.jsonl
+    /tmp/kvpenv/bin/python benchmarks/kvpress_peer/kvpress_per_layer.py run PROMPTS.json OUT.jsonl [press ...]
+    python benchmarks/kvpress_peer/kvpress_per_layer.py table OUT.jsonl KVGYM_SAMPLES.jsonl PEER_RESULTS.jsonl
 PROMPTS.json: the peer samples' prompt ids as kvgym builds them without a chat template (written by
 ``kvgym``'s ``eval.harness.prompt_ids``), with their gold strings and ``max_new_tokens``. Protocol
 ``oneshot-question`` as in ``../shared/peer/README.md``: the press compresses while the model prefills the
@@ -23,7 +23,14 @@ RATIO = 0.75  # 25% kept
 
 
 def presses():
-    from kvpress import ExpectedAttentionPress, KeyDiffPress, KnormPress, PyramidKVPress, SnapKVPress, TOVAPress
+    from kvpress import (
+        ExpectedAttentionPress,
+        KeyDiffPress,
+        KnormPress,
+        PyramidKVPress,
+        SnapKVPress,
+        TOVAPress,
+    )
 
     return {
         "tova": lambda: TOVAPress(compression_ratio=RATIO),
