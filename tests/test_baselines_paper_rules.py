@@ -221,6 +221,7 @@ def test_kvzip_keeps_the_blocks_a_reconstruction_query_needs_most(tiny_model, mo
     peaks[:, :, 6] = 0.4  # every head moderately
     peaks[:, 1, 4] = 0.9  # one head's reconstruction needs block 4 sharply (mean 0.3)
     monkeypatch.setattr(kvzip_module, "reconstruction_mass", lambda view, chunk_size: peaks)
+    kvzip_module.forget_reconstructions()  # the same model and prompt as another test: its remembered scores
     view = CacheView.from_cache(cache, [3, 3], phase="compress", model=tiny_model, token_ids=torch.arange(160))
     controller = KVzip()
     assert evicted(controller.decide(view)) == [1, 2, 3, 5, 6, 7, 8]  # the max over heads keeps 4
@@ -243,6 +244,7 @@ def test_kvzip_prunes_over_all_layers_unless_layerwise(tiny_model, monkeypatch):
     peaks[0, :, 1:9] = 0.5  # layer 0's blocks all outscore layer 1's
     peaks[1, :, 3] = 0.3
     monkeypatch.setattr(kvzip_module, "reconstruction_mass", lambda view, chunk_size: peaks)
+    kvzip_module.forget_reconstructions()  # the same model and prompt as another test: its remembered scores
     assert make_controller("kvzip").budget_scope == "global"
     assert make_controller("kvzip:layerwise=true").budget_scope == "layer"
     view = CacheView.from_cache(prefilled(tiny_model), [3, 3], phase="compress", model=tiny_model,
@@ -254,6 +256,31 @@ def test_kvzip_prunes_over_all_layers_unless_layerwise(tiny_model, monkeypatch):
                                       token_ids=torch.arange(160))
     per_layer = KVzip(layerwise=True).decide(layer_view)
     assert evicted(per_layer, layer=1) == [1, 2, 4, 5, 6, 7, 8] and len(evicted(per_layer)) == 7
+
+
+def test_kvzip_reconstructs_a_prompt_once_for_every_one_shot_run(tiny_model, monkeypatch):
+    """The reconstruction is KVzip's whole cost and depends only on the model and the prompt at ``compress``: a grid
+    of budgets reuses it; another prompt, another model or another phase computes it afresh."""
+    from tests.conftest import make_tiny_llama
+
+    calls = []
+    monkeypatch.setattr(kvzip_module, "reconstruction_mass",
+                        lambda view, chunk_size: calls.append(view.phase) or torch.rand(2, HEADS, view.num_blocks))
+    kvzip_module.forget_reconstructions()
+
+    def compress(model, budget, ids=None, phase="compress"):
+        ids = torch.arange(160) if ids is None else ids
+        view = CacheView.from_cache(prefilled(model, ids=ids), [budget] * 2, phase=phase, model=model, token_ids=ids)
+        return KVzip().decide(view)
+
+    first = compress(tiny_model, 3)
+    assert compress(tiny_model, 3) == first and len(calls) == 1
+    compress(tiny_model, 5)
+    assert len(calls) == 1  # another budget: the same reconstruction
+    compress(tiny_model, 3, ids=torch.arange(1, 161))
+    compress(make_tiny_llama(seed=1), 3)
+    compress(tiny_model, 3, phase="question")
+    assert calls == ["compress", "compress", "compress", "question"]
 
 
 def test_kvzip_before_any_reconstruction_keeps_the_newest_blocks(tiny_model):
