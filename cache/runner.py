@@ -315,14 +315,15 @@ class Runner:
     def run(self, input_ids, max_new_tokens: int = 64, do_sample: bool = False,
             temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
             keep_logits: bool = False, forced_tokens: list[int] | None = None,
-            shared: SharedPrefill | None = None) -> RunResult:
+            shared: SharedPrefill | None = None, on_token=None) -> RunResult:
         """Run ``input_ids`` (a ``Prompt``, or token ids: the whole prompt is then the context) under the
         runner's protocol, then decode up to ``max_new_tokens`` per turn.
 
         ``forced_tokens`` teacher-forces the continuation: those tokens are fed (and returned as
         ``new_tokens``) instead of the model's picks, so ``keep_logits`` gives the model's distribution at
         every position of a fixed text; ``max_new_tokens`` is then its length. ``shared`` continues from a
-        copy of a ``dense_prefill`` of the same prompt (one-shot protocols).
+        copy of a ``dense_prefill`` of the same prompt (one-shot protocols). ``on_token(turn, step, logits,
+        token)`` is called as each answer token is picked (``logits``: the distribution it was picked from).
         """
         prompt = input_ids if isinstance(input_ids, Prompt) else Prompt(input_ids)
         protocol = self.protocol
@@ -386,6 +387,8 @@ class Runner:
             token = forced_tokens[0] if forced_tokens else self._pick(logits, do_sample, temperature, top_p, generator)
             if number == 0:
                 ttft_s = time.perf_counter() - start
+            if on_token is not None:
+                on_token(number, 0, logits, token)
             # the last prompt token's forward is decode step 0 (a decision every decide_every steps counts from it)
             self._decision_point(state, "decode")
             new_tokens = [token]
@@ -400,6 +403,8 @@ class Runner:
                 step_bytes.append(sum(cache.last_bytes_read))
                 token = (forced_tokens[step] if forced_tokens
                          else self._pick(logits, do_sample, temperature, top_p, generator))
+                if on_token is not None:
+                    on_token(number, step, logits, token)
                 if step % self.decide_every == 0 or self._over_budget(cache, state):
                     self._decision_point(state, "decode")
                 step_times.append(time.perf_counter() - step_start)

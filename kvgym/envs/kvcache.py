@@ -1,0 +1,313 @@
+"""``kvgym/KVCache-v1``: the live cache on the ranking action, one sample per episode, one decision point per step.
+
+An **episode** runs one sample live in its protocol (``cache.runner``: ``streaming``, ``multiturn``, or the one-shot
+protocols as one-step episodes). A **step** is one decision point of that run (each streamed prefill chunk, the
+question, every ``decide_every`` decode steps, each later turn), for **all layers at once**: what the policy drops
+stays dropped, a block it moves costs bytes, what it keeps for one turn is what the next can use.
+
+- **Observation** (``Dict``): ``blocks`` ``[L, N, F]``, every block's ranking features (``kvgym.envs.ranking``,
+  the shipped ranker's inputs; zero past the cache's ``n`` blocks), ``mask`` ``[L, N]`` (1 for a block that exists
+  and is not dropped), ``layers`` ``[L, 5]`` (device pressure, budget as a share of the layer's blocks, and the
+  shares of its blocks on device / host / disk), ``globals`` (the phase one-hot, question read, progress through
+  the prompt and answer, the budget fraction, MB moved between tiers so far). ``N`` is fixed by ``max_tokens``.
+- **Action** ``[L, N, 2]`` in ``[-1, 1]``: a keep score and a merge logit per block. Each layer keeps its pinned
+  blocks and its highest-scoring ones up to its budget (``keep_top``: evictions, merges where the logit is > 0,
+  prefetches), so the budget always holds and the cache's fallback never fires. A score policy with unbounded
+  outputs maps them with any increasing squash (``squash``: ``x / (1 + |x|)``) without changing its choices.
+- **Reward**: per step, minus ``kl_weight`` times the KL(full cache || this cache) of each answer token decoded
+  since the previous decision, on the tokens the full cache also produced (a position counts while the answer so
+  far equals the full cache's; after the two diverge the task score speaks for them), minus ``transfer_cost``
+  per MB moved between tiers in the step; at the end, plus the task score (the mean over turns).
+
+The run itself is ``cache.runner.Runner``, unchanged: it runs in a worker thread whose controller hands each
+decision point to ``step`` and waits for the action, so the env follows every protocol exactly as ``kvgym eval``
+runs it. The full cache's run of each sample (the reference of the KL) is made once and kept for a few samples.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections import OrderedDict
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium import spaces
+
+from cache.controller import PHASES, CacheView
+from cache.paged_cache import CacheConfig
+from cache.runner import PROTOCOLS, Runner
+from cache.sentences import sentence_end_token_ids
+from cache.tiers import Tier
+from kvgym.envs.ranking import NUM_RANK_FEATURES, RANK_FEATURES, keep_top, policy_features
+
+VALID_COLUMN = RANK_FEATURES.index("valid")
+LAYER_COLUMNS = ("pressure", "budget_share", "device_share", "host_share", "disk_share")
+GLOBAL_COLUMNS = (*[f"phase_{phase}" for phase in PHASES], "question_read", "progress", "budget", "mb_moved")
+REFERENCES_KEPT = 8
+
+
+def squash(scores: np.ndarray) -> np.ndarray:
+    """An increasing map of real scores into ``(-1, 1)``: the same top-b, in the action space's bounds."""
+    scores = np.asarray(scores, np.float64)
+    return (scores / (1.0 + np.abs(scores))).astype(np.float32)
+
+
+def _mb_moved(cache) -> float:
+    """MB moved between tiers so far, every direction."""
+    return sum(cache.bytes_moved.values()) / 1e6
+
+
+class _Abort(Exception):
+    """Raised in the worker thread to end a run the env no longer wants."""
+
+
+class _Bridge:
+    """The runner's controller: posts each decision point to the env and applies the action it gets back."""
+
+    def __init__(self, to_env: queue.Queue, to_runner: queue.Queue):
+        self.to_env, self.to_runner = to_env, to_runner
+
+    def decide(self, view: CacheView):
+        self.to_env.put(("decide", view))
+        action = self.to_runner.get()
+        if action is None:
+            raise _Abort
+        n = view.num_blocks
+        return keep_top(view, action[:, :n, 0], action[:, :n, 1])
+
+
+class KVCacheEnv(gym.Env):
+    """See the module docstring."""
+
+    metadata = {"render_modes": ["ansi"]}
+
+    def __init__(self, model="smollm2-135m", tokenizer=None, tasks=("families_train",), lengths=(2048,),
+                 protocol: str = "streaming", budget_range=(0.125, 0.5), host_blocks: int = 0, block_size: int = 16,
+                 prefill_chunk: int = 64, decide_every: int = 8, max_new_tokens: int | None = None,
+                 max_tokens: int | None = None, transfer_cost: float = 0.0, kl_weight: float = 1.0,
+                 chat: bool = False, render_mode: str | None = None):
+        from eval.tasks.base import get_task
+
+        if isinstance(tasks, str):
+            tasks = [task.strip() for task in tasks.split(",") if task.strip()]
+        tasks, lengths = list(tasks), [int(length) for length in lengths]
+        if not tasks or not lengths or min(lengths) < 1:
+            raise ValueError(f"tasks {tasks!r} and lengths {lengths!r}: give at least one task and positive lengths")
+        self.generators = {task: get_task(task) for task in tasks}  # an unknown task is refused before loading
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+        low, high = budget_range
+        if not 0.0 < low <= high <= 1.0:
+            raise ValueError(f"budget_range {budget_range!r}: need 0 < low <= high <= 1")
+        for name, value in (("block_size", block_size), ("prefill_chunk", prefill_chunk),
+                            ("decide_every", decide_every), ("max_new_tokens", max_new_tokens or 1),
+                            ("max_tokens", max_tokens or 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} {value!r}: must be a positive integer")
+        if host_blocks < 0:
+            raise ValueError(f"host_blocks {host_blocks!r}: must be >= 0")
+        for name, value in (("transfer_cost", transfer_cost), ("kl_weight", kl_weight)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} {value!r}: must be a finite number >= 0")
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode {render_mode!r}: use one of {self.metadata['render_modes']}")
+        if isinstance(model, str):
+            from cache.models import load_model
+
+            loaded = load_model(model)
+            model, tokenizer = loaded.model, loaded.tokenizer
+        if tokenizer is None:
+            raise ValueError("tokenizer: a tokenizer is needed to build task prompts (pass one with the model)")
+        self.model, self.tokenizer, self.chat, self.render_mode = model, tokenizer, chat, render_mode
+        self.tasks, self.lengths, self.protocol, self.budget_range = tasks, lengths, protocol, (low, high)
+        self.cache_config = CacheConfig(block_size=block_size, host_blocks=host_blocks)
+        self.prefill_chunk, self.decide_every, self.max_new_tokens = prefill_chunk, decide_every, max_new_tokens
+        self.transfer_cost, self.kl_weight = float(transfer_cost), float(kl_weight)
+        self.max_tokens = max_tokens or int(1.25 * max(lengths)) + 256
+        self.num_layers, self.max_blocks = model.config.num_hidden_layers, math.ceil(self.max_tokens / block_size)
+        shape = (self.num_layers, self.max_blocks)
+        self.observation_space = spaces.Dict({
+            "blocks": spaces.Box(-np.inf, np.inf, (*shape, NUM_RANK_FEATURES), np.float32),
+            "mask": spaces.Box(0.0, 1.0, shape, np.float32),
+            "layers": spaces.Box(-np.inf, np.inf, (self.num_layers, len(LAYER_COLUMNS)), np.float32),
+            "globals": spaces.Box(-np.inf, np.inf, (len(GLOBAL_COLUMNS),), np.float32),
+        })
+        self.action_space = spaces.Box(-1.0, 1.0, (*shape, 2), np.float32)
+        # the vocabulary scan for sentence ends (a view feature), once (a tokenizer without a vocabulary: none)
+        self._sentence_end_ids = sentence_end_token_ids(tokenizer) if hasattr(tokenizer, "get_vocab") else None
+        self._references: OrderedDict = OrderedDict()
+        self._worker: threading.Thread | None = None
+        self._view: CacheView | None = None
+
+    # ------------------------------------------------------------------ episode plumbing
+    def _reference(self, key, prompt, max_new_tokens: int) -> dict:
+        """The full cache's answer tokens and next-token logits per (turn, step), made once per sample."""
+        if key not in self._references:
+            logits, tokens = {}, {}
+
+            def keep(turn, step, step_logits, token):
+                logits[turn, step] = step_logits.detach().float().cpu()
+                tokens.setdefault(turn, []).append(token)
+
+            self._runner(None, None).run(prompt, max_new_tokens=max_new_tokens, on_token=keep)
+            self._references[key] = {"logits": logits, "tokens": tokens}
+            while len(self._references) > REFERENCES_KEPT:
+                self._references.popitem(last=False)
+        self._references.move_to_end(key)
+        return self._references[key]
+
+    def _runner(self, controller, budget) -> Runner:
+        runner = Runner(self.model, None, self.cache_config, controller=controller, budget=budget,
+                        prefill_chunk=self.prefill_chunk, decide_every=self.decide_every, protocol=self.protocol)
+        runner.tokenizer, runner.sentence_end_ids = self.tokenizer, self._sentence_end_ids
+        return runner
+
+    def _on_token(self, turn: int, step: int, logits: torch.Tensor, token: int) -> None:
+        """Worker thread: the KL of this answer position while everything before it is the full cache's."""
+        reference = self._ref["tokens"]
+        if step == 0 and turn > 0:  # a later turn sees the previous answers: they must be the reference's too
+            self._agrees = self._agrees and self._answer.get(turn - 1) == reference.get(turn - 1)
+        answer = self._answer.setdefault(turn, [])
+        agrees = self._agrees and answer == reference.get(turn, [])[:step] and (turn, step) in self._ref["logits"]
+        if agrees:
+            log_p = torch.log_softmax(self._ref["logits"][turn, step].double(), dim=-1)
+            log_q = torch.log_softmax(logits.detach().double().cpu(), dim=-1)
+            self._pending_kl += float((log_p.exp() * (log_p - log_q)).sum().clamp_min(0.0))
+            self._kl_positions += 1
+        else:
+            self._agrees = False
+        answer.append(int(token))
+
+    def _run(self, runner: Runner, prompt, max_new_tokens: int) -> None:
+        try:
+            result = runner.run(prompt, max_new_tokens=max_new_tokens, on_token=self._on_token)
+            self._to_env.put(("done", result))
+        except _Abort:
+            pass
+        except Exception as error:  # noqa: BLE001  (handed to the env thread, which raises it)
+            self._to_env.put(("error", error))
+
+    def _stop(self) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            self._to_runner.put(None)
+            self._worker.join()
+        self._worker = None
+
+    def _observation(self, view: CacheView) -> dict:
+        n = view.num_blocks
+        if n > self.max_blocks:
+            raise RuntimeError(f"the cache holds {n} blocks, more than the observation's {self.max_blocks} "
+                               f"(max_tokens {self.max_tokens}): make the env with a larger max_tokens")
+        blocks = np.zeros(self.observation_space["blocks"].shape, np.float32)
+        blocks[:, :n] = policy_features(view)
+        mask = np.zeros(self.observation_space["mask"].shape, np.float32)
+        mask[:, :n] = blocks[:, :n, VALID_COLUMN] > 0
+        tier = view.tier.numpy()
+        existing = np.maximum((tier != Tier.DROPPED).sum(axis=1), 1)
+        layers = np.stack([view.pressure.numpy(), view.budget_blocks.numpy() / existing,
+                           *[(tier == t).sum(axis=1) / existing for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)]],
+                          axis=1).astype(np.float32)
+        phase = [float(view.phase == p) for p in PHASES]
+        progress = view.seen / max(self._total_tokens, 1)
+        moved = _mb_moved(view.cache)
+        glob = np.array([*phase, float(view.question_read), progress, self._budget, moved], np.float32)
+        return {"blocks": blocks, "mask": mask, "layers": layers, "globals": glob}
+
+    def _next(self) -> tuple[str, object]:
+        kind, payload = self._to_env.get()
+        if kind == "error":
+            self._worker = None
+            raise payload
+        return kind, payload
+
+    # ------------------------------------------------------------------ gymnasium API
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        from eval.tasks.prompt import build_prompt
+
+        super().reset(seed=seed)
+        self._stop()
+        options = dict(options or {})
+        unknown = sorted(set(options) - {"task", "length", "budget", "sample_seed"})
+        if unknown:
+            raise ValueError(f"reset options {unknown}: the options are task, length, budget, sample_seed")
+        task = options.get("task", self.tasks[int(self.np_random.integers(len(self.tasks)))])
+        length = int(options.get("length", self.lengths[int(self.np_random.integers(len(self.lengths)))]))
+        budget = float(options.get("budget", self.np_random.uniform(*self.budget_range)))
+        sample_seed = int(options.get("sample_seed", self.np_random.integers(2**31)))
+        if task not in self.generators:
+            raise ValueError(f"reset option task {task!r}: this env draws from {', '.join(self.tasks)}")
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"reset option budget {budget!r}: a fraction in (0, 1]")
+        sample = self.generators[task](self.tokenizer, length, sample_seed, 0)
+        prompt = build_prompt(self.tokenizer, sample, self.chat)
+        max_new = self.max_new_tokens or sample.max_new_tokens
+        turns = len(prompt.turns) + 1
+        self._total_tokens = len(prompt.ids) + sum(len(t) for t in prompt.turns) + turns * max_new
+        if self._total_tokens > self.max_tokens:
+            raise ValueError(f"sample {task}/{length}/{sample_seed}: {self._total_tokens} tokens with its answers, over "
+                             f"max_tokens {self.max_tokens}: make the env with a larger max_tokens")
+        self._sample, self._budget = sample, budget
+        self._ref = self._reference((task, length, sample_seed, self.chat), prompt, max_new)
+        self._answer, self._agrees, self._pending_kl, self._kl_positions = {}, True, 0.0, 0
+        self._moved_mb = 0.0
+        self._to_env, self._to_runner = queue.Queue(), queue.Queue()
+        runner = self._runner(_Bridge(self._to_env, self._to_runner), budget)
+        self._worker = threading.Thread(target=self._run, args=(runner, prompt, max_new), daemon=True)
+        self._worker.start()
+        kind, payload = self._next()
+        if kind != "decide":
+            raise RuntimeError(f"sample {task}/{length}/{sample_seed} ran without a decision point at budget {budget}")
+        self._view = payload
+        info = {"task": task, "length": length, "budget": budget, "sample_seed": sample_seed,
+                "prompt_tokens": len(prompt.ids), "turns": turns}
+        return self._observation(payload), info
+
+    def step(self, action):
+        if self._worker is None:
+            raise gym.error.ResetNeeded("step() before reset() or after the episode ended: call reset()")
+        action = np.asarray(action, np.float32)
+        if action.shape != self.action_space.shape or not np.isfinite(action).all():
+            raise ValueError(f"action: expected finite values of shape {self.action_space.shape}, got "
+                             f"{action.shape}" + ("" if np.isfinite(action).all() else " with NaN or inf"))
+        self._pending_kl = 0.0
+        self._to_runner.put(action)
+        kind, payload = self._next()
+        moved = _mb_moved(payload.cache)  # a view's or the run's cache
+        step_mb, self._moved_mb = moved - self._moved_mb, moved
+        reward = -self.kl_weight * self._pending_kl - self.transfer_cost * step_mb
+        info = {"kl": self._pending_kl, "mb_moved": step_mb}
+        if kind == "decide":
+            self._view = payload
+            return self._observation(payload), float(reward), False, False, info
+        self._worker = None
+        score = self._score(payload)
+        info.update(score=score, text=payload.text, fallbacks=payload.fallbacks, decisions=payload.decisions,
+                    kl_positions=self._kl_positions)
+        return self._observation(self._view), float(reward + score), True, False, info
+
+    def _score(self, result) -> float:
+        from eval.scoring import score
+
+        sample = self._sample
+        answers = [sample.outputs] + [turn.outputs for turn in sample.turns]
+        texts = result.turn_texts or [result.text]
+        return float(np.mean([score({"metric": sample.metric, "outputs": gold, "task": sample.task}, text or "")
+                              for gold, text in zip(answers, texts, strict=False)]))
+
+    def render(self):
+        if self._view is None:
+            raise gym.error.ResetNeeded("render() before reset(): call env.reset() first, there is no cache to show")
+        if self.render_mode is None:
+            gym.logger.warn("render() called without a render_mode; pass render_mode='ansi'")
+            return None
+        symbols = {int(Tier.DEVICE): "D", int(Tier.HOST): "h", int(Tier.DISK): "d", int(Tier.DROPPED): "."}
+        tiers = self._view.tier
+        return "\n".join(f"L{layer:02d} " + "".join(symbols.get(int(t), "?") for t in tiers[layer])
+                         for layer in range(tiers.shape[0]))
+
+    def close(self):
+        self._stop()
+        super().close()
