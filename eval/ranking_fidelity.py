@@ -24,10 +24,10 @@ import torch
 
 from cache.controller import CacheView, Decision
 from cache.paged_cache import CacheConfig
+from cache.ranking import RANK_FEATURES, block_features, keep_top
 from cache.runner import Runner
 from eval.replay_compare import spearman
 from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
-from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top
 
 # each replay target of Decisions and the row column its regret goes in
 REPLAY_TARGETS = {"future": "replay_regret", "future_value": "replay_regret_future_value"}

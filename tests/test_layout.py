@@ -106,3 +106,35 @@ def test_results_hold_evidence_under_one_megabyte_each():
     # negative control: the rule rejects what it is meant to reject
     assert len(results_problems([("results/a/samples.jsonl", 2_000_000), ("results/b/ranker.pt", 10),
                                  ("results/c/events.out.tfevents.1.vm", 10), ("results/d/summary.md", 10)])) == 3
+
+
+# ------------------------------------------------------------------------ a policy loads without the env (issue 37)
+LOADED_AFTER = """
+import sys
+{statement}
+print(sorted(m for m in ("gymnasium", "stable_baselines3", "kvgym") if m in sys.modules))
+"""
+
+
+def modules_after(statement: str) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LOADED_AFTER.format(statement=statement)], cwd=ROOT,
+                          capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                                                               "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_policy_loads_and_decides_without_gymnasium_or_sb3():
+    """The shipped ranker, loaded as a controller and deciding on a live cache, imports neither the envs nor their
+    libraries (its features and top-b rule are ``cache.ranking``); importing kvgym (the negative control) does."""
+    decide = ("from agents.registry import make_controller\n"
+              "from tests.conftest import make_tiny_llama\n"
+              "from cache.paged_cache import CacheConfig\n"
+              "from cache.runner import Runner\n"
+              "Runner(make_tiny_llama(), cache_config=CacheConfig(block_size=8), controller=make_controller('ranker'),"
+              " budget=0.3, prefill_chunk=32).run(list(range(2, 150)), max_new_tokens=4)")
+    assert modules_after(decide) == "[]"
+    assert modules_after("import kvgym") == "['gymnasium', 'kvgym']"

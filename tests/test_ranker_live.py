@@ -8,9 +8,9 @@ import torch
 from agents.ranker.live_train import LivePoint, evaluate, train_live
 from agents.ranker.model import BlockScorer, load_ranker, save_ranker
 from cache.paged_cache import CacheConfig
+from cache.ranking import RANK_FEATURES
 from cache.runner import Prompt, Runner
 from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
-from kvgym.envs.ranking import RANK_FEATURES
 
 PROMPTS = [Prompt(torch.randint(2, 256, (200,), generator=torch.Generator().manual_seed(s)).tolist(), context_end=180)
            for s in range(3)]

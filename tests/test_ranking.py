@@ -15,6 +15,7 @@ from agents.ranker.train import dropped_columns, listwise_loss, plackett_luce_to
 from agents.registry import make_controller
 from cache.controller import CacheView, Decision, Op, page_bounds
 from cache.paged_cache import CacheConfig
+from cache.ranking import RANK_FEATURES, block_features, keep_top, within_layer_rank
 from cache.runner import Prompt, Runner
 from cache.tiers import Tier
 from kvgym.envs.decisions import (
@@ -27,7 +28,6 @@ from kvgym.envs.decisions import (
     streaming_state,
     target_heads,
 )
-from kvgym.envs.ranking import RANK_FEATURES, block_features, keep_top, within_layer_rank
 from kvgym.envs.reward import kept_by_ranking, ranking_regret
 from tests.test_baselines_common import Checked
 
@@ -348,9 +348,9 @@ def test_a_teacher_scores_the_question_blind_decision_point_it_is_shown(tiny_mod
     teacher_heads = record["teacher_heads"]
     assert teacher_heads.shape == record["future_heads"].shape == (2, 4, 10)
     assert not torch.allclose(teacher_heads, record["future_heads"])  # reconstruction is not the future
-    # KVzip's controller evicts by the same scores: with a budget of 5 blocks the blocks it keeps are the top 3
-    # of the teacher's (besides the sink and the newest block)
-    kvzip = make_controller("kvzip")
+    # KVzip's controller evicts by the same scores: with a budget of 5 blocks per layer the blocks it keeps are the
+    # top 3 of the teacher's (besides the sink and the newest block)
+    kvzip = make_controller("kvzip:layerwise=true")
     compressions = []
 
     def decide(view):

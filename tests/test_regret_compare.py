@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from agents.ranker.model import BlockScorer, save_ranker
+from cache.ranking import RANK_FEATURES
 from eval.regret_compare import compare_rankings, comparison_md, gap_closed
 from kvgym.cli import main
 from kvgym.envs.decisions import BUDGETS, Decisions
-from kvgym.envs.ranking import RANK_FEATURES
 from tests.test_ranking import synthetic_records
 
 SIGNAL = RANK_FEATURES.index("last_mean_log_share")

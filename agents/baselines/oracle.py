@@ -59,7 +59,7 @@ class Oracle:
 
     def decide(self, view: CacheView) -> list[Decision]:
         if self.prefetch:
-            from kvgym.envs.ranking import keep_top
+            from cache.ranking import keep_top
 
             return keep_top(view, self.prefetch_scores(view).numpy())
         scores = self.future_scores(view)

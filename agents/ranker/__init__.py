@@ -1,1 +1,1 @@
-"""The ranking policy: a per-block scorer that decides every block of every layer (``kvgym.envs.ranking``)."""
+"""The ranking policy: a per-block scorer that decides every block of every layer (``cache.ranking``)."""

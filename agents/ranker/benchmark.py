@@ -26,8 +26,8 @@ def bench_decision(model, policy: str | Path, context: int = 2048, budget: float
     from agents.ranker.controller import RankerController
     from cache.controller import CacheView
     from cache.paged_cache import CacheConfig, PagedKVCache
+    from cache.ranking import block_features, keep_top
     from cache.runner import budget_blocks
-    from kvgym.envs.ranking import block_features, keep_top
 
     controller = RankerController(str(policy))
     cache = PagedKVCache(model.config, CacheConfig(max_tokens=context + 64))

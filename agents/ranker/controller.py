@@ -1,5 +1,5 @@
 """A trained ranking policy as a cache ``Controller``: at every decision point it scores every block of every
-layer (``kvgym.envs.ranking.policy_features``) and keeps each layer's top-b on device (``keep_top``): it evicts,
+layer (``cache.ranking.policy_features``) and keeps each layer's top-b on device (``keep_top``): it evicts,
 merges, prefetches and keeps by itself, with no budget fallback left to act.
 
 Parameters (``ranker:PATH,stay=2,blind_phase=prefill,blind=PATH,blind_prefill=true``): ``merge``, ``stay``
@@ -17,7 +17,7 @@ import numpy as np
 
 from agents.ranker.model import load_ranker
 from cache.controller import CacheView, Decision
-from kvgym.envs.ranking import check_blind_phase, keep_top, policy_features
+from cache.ranking import check_blind_phase, keep_top, policy_features
 
 MAX_STAY = 100.0  # beyond this every resident block outranks every other: the ranking stops mattering
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from agents.policy_file import PolicyFileError, atomic_write, sha256_hex
-from kvgym.envs.ranking import RANK_FEATURES
+from cache.ranking import RANK_FEATURES
 
 RANKER_FORMAT = "kvgym-ranker"
 RANKER_VERSION = 1

@@ -45,8 +45,8 @@ from agents.ranker.model import (
     save_ranker,
 )
 from agents.ranker.train import regret_table
+from cache.ranking import RANK_FEATURES
 from kvgym.envs.decisions import Decisions, RankingReplayVecEnv
-from kvgym.envs.ranking import RANK_FEATURES
 
 SCORE_BOUND = 1e4  # the env's action box: wide, so SB3's clipping leaves the scorer's logits (and their order) alone
 LOG_2PI = math.log(2 * math.pi)

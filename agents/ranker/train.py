@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from agents.ranker.model import BlockScorer, save_ranker
+from cache.ranking import RANK_FEATURES
 from kvgym.envs.decisions import BUDGETS, Decisions
-from kvgym.envs.ranking import RANK_FEATURES
 
 # single features that are themselves a heuristic's ranking, for the validation table
 HEURISTIC_COLUMNS = {

@@ -13,10 +13,10 @@ import torch
 from agents.ranker.model import load_ranker
 from cache.controller import PHASES
 from cache.models import load_model
+from cache.ranking import PHASE_COLUMNS, RANK_FEATURES
 from eval.tasks import generate
 from eval.tasks.prompt import _render
 from kvgym.envs.decisions import Decisions
-from kvgym.envs.ranking import PHASE_COLUMNS, RANK_FEATURES
 
 LENGTH, SEED, BLOCK = 2048, 102, 16
 FEATURE_RANKINGS = ("key_norm_rank", "key_distinct_rank", "last_query_max_rank", "last_mean_rank")

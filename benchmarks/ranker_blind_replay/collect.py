@@ -14,11 +14,11 @@ import torch
 from cache.controller import CacheView
 from cache.models import load_model
 from cache.paged_cache import CacheConfig
+from cache.ranking import policy_features
 from cache.runner import Runner, budget_blocks
 from cache.tiers import Tier
 from eval.tasks import generate
 from eval.tasks.prompt import build_prompt
-from kvgym.envs.ranking import policy_features
 
 TASKS, LENGTH, SEED, MAX_NEW_TOKENS = ("passkey", "niah_single", "niah_multikey"), 2048, 102, 24
 

@@ -40,9 +40,9 @@ import torch
 from common import block_terms, capturing_qkv, decision_points, fidelity_policies, load_fidelity
 
 from cache.models import load_model
+from cache.ranking import RANK_FEATURES
 from eval.ranking_fidelity import fidelity_summary
 from kvgym.envs.decisions import Decisions
-from kvgym.envs.ranking import RANK_FEATURES
 
 source, n = sys.argv[1], int(sys.argv[2])
 SKETCH = int(sys.argv[3]) if len(sys.argv) > 3 else 64  # the random projection's width (per layer and block)

@@ -16,8 +16,8 @@ from analyze import needle_blocks, needle_kept  # noqa: E402  (the same needle m
 
 from agents.ranker.model import load_ranker  # noqa: E402
 from cache.models import load_model  # noqa: E402
+from cache.ranking import RANK_FEATURES  # noqa: E402
 from kvgym.envs.decisions import Decisions, load_records  # noqa: E402
-from kvgym.envs.ranking import RANK_FEATURES  # noqa: E402
 
 FEATURE_RANKINGS = {"Knorm (key_norm_rank)": "key_norm_rank", "KeyDiff (key_distinct_rank)": "key_distinct_rank",
                     "TOVA-like (last_query_max_rank)": "last_query_max_rank"}

@@ -13,8 +13,8 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.vec_env import DummyVecEnv
 
 from agents.ranker.ppo import SCORE_BOUND, RankingPolicy, make_envs
+from cache.ranking import RANK_FEATURES
 from kvgym.envs.decisions import Decisions, RankingReplayEnv
-from kvgym.envs.ranking import RANK_FEATURES
 
 
 def records(count: int, layers: int = 30, blocks: int = 128) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Recorded decision points for the ranking action (``kvgym.envs.ranking``), and the one-step replay env over them.
+"""Recorded decision points for the ranking action (``cache.ranking``), and the one-step replay env over them.
 
 **A decision point** (``decision_point``, ``collect``): for one sample, the ``oneshot-question`` protocol's one
 decision (the prompt but its last token prefilled densely, so the question's queries are in the statistics):
@@ -51,9 +51,7 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv
 
 from cache.controller import PHASES, CacheView, apply_decisions
 from cache.paged_cache import CacheConfig
-from cache.runner import Runner, budget_blocks
-from cache.tiers import Tier
-from kvgym.envs.ranking import (
+from cache.ranking import (
     BUDGET_COLUMN,
     PRESSURE_COLUMN,
     RANK_FEATURES,
@@ -61,6 +59,8 @@ from kvgym.envs.ranking import (
     keep_top,
     policy_features,
 )
+from cache.runner import Runner, budget_blocks
+from cache.tiers import Tier
 from kvgym.envs.reward import kept_by_ranking, ranking_regret
 
 BUDGETS = (0.125, 0.25, 0.5)

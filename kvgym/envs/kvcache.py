@@ -5,7 +5,7 @@ protocols as one-step episodes). A **step** is one decision point of that run (e
 question, every ``decide_every`` decode steps, each later turn), for **all layers at once**: what the policy drops
 stays dropped, a block it moves costs bytes, what it keeps for one turn is what the next can use.
 
-- **Observation** (``Dict``): ``blocks`` ``[L, N, F]``, every block's ranking features (``kvgym.envs.ranking``,
+- **Observation** (``Dict``): ``blocks`` ``[L, N, F]``, every block's ranking features (``cache.ranking``,
   the shipped ranker's inputs; zero past the cache's ``n`` blocks), ``mask`` ``[L, N]`` (1 for a block that exists
   and is not dropped), ``layers`` ``[L, 5]`` (device pressure, budget as a share of the layer's blocks, and the
   shares of its blocks on device / host / disk), ``globals`` (the phase one-hot, question read, progress through
@@ -38,10 +38,10 @@ from gymnasium import spaces
 
 from cache.controller import PHASES, CacheView
 from cache.paged_cache import CacheConfig
+from cache.ranking import NUM_RANK_FEATURES, RANK_FEATURES, keep_top, policy_features
 from cache.runner import PROTOCOLS, Runner
 from cache.sentences import sentence_end_token_ids
 from cache.tiers import Tier
-from kvgym.envs.ranking import NUM_RANK_FEATURES, RANK_FEATURES, keep_top, policy_features
 
 VALID_COLUMN = RANK_FEATURES.index("valid")
 LAYER_COLUMNS = ("pressure", "budget_share", "device_share", "host_share", "disk_share")

@@ -43,7 +43,7 @@ def kept_by_ranking(scores, room, candidates) -> torch.Tensor:
 
 def ranking_regret(scores, future_mass, room, candidates):
     """The regret of keeping the top-``room`` ``scores`` among ``candidates`` (the ranking action,
-    ``kvgym.envs.ranking``; ``kept_by_ranking``), exact from a trace: the future attention mass of the candidates
+    ``cache.ranking``; ``kept_by_ranking``), exact from a trace: the future attention mass of the candidates
     left off the device, **minus what the future-attention oracle (keeping the ``room`` candidates of largest
     future mass) leaves off from the same state**, divided by the candidates' total future mass, so samples and
     budgets compare (0 = the oracle's choice, 1 = everything lost). Batched: ``scores``, ``future_mass``
