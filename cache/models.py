@@ -199,6 +199,11 @@ def ensure_smollm2(rebuild: bool = False) -> Path:
     if problem is not None:
         try:
             convert_smollm2(target)
+        except OSError as err:  # e.g. a read-only KVGYM_HOME: say so, not only "[Errno 30]"
+            raise ModelBuildError(
+                f"the default model at {target} needs building ({problem}), but writing there failed: {err}\n"
+                "Make that folder writable, or set KVGYM_HOME to a writable folder, then run `kvgym setup --rebuild`."
+            ) from None
         except ModelBuildError as err:
             raise ModelBuildError(
                 f"the default model at {target} needs building ({problem}), and the build failed: {err}\n"
@@ -275,6 +280,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | None
     The model is put in eval mode and its attention implementation is set to kvgym's paged attention,
     which falls back to SDPA for any cache that is not a ``PagedKVCache``.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cache.attention import PAGED_ATTENTION, register_paged_attention
@@ -285,6 +291,11 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | None
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=is_local or None)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, local_files_only=is_local or None)
+    except SafetensorError as err:  # a truncated or damaged weights file
+        raise ModelNotFoundError(
+            f"could not load model {name!r}: the weights in {location!r} are damaged or incomplete ({err}); copy "
+            "them again" + (" (the default model: `kvgym setup --rebuild`)" if name == DEFAULT_MODEL else "")
+        ) from None
     except OSError as err:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         raise ModelNotFoundError(

@@ -552,3 +552,28 @@ def test_pools_larger_than_free_memory_are_refused_before_allocating(monkeypatch
         model(input_ids=__import__("torch").tensor([[1, 2, 3]]), cache=cache, use_cache=True)
     small = PagedKVCache(model.config, CacheConfig(block_size=16, host_blocks=4))
     model(input_ids=__import__("torch").tensor([[1, 2, 3]]), cache=small, use_cache=True)
+
+
+def test_a_model_folder_with_truncated_weights_is_named(tiny_checkpoint, tmp_path):
+    import shutil
+
+    from cache.models import ModelNotFoundError, load_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelNotFoundError, match="damaged or incomplete"):
+        load_model(str(folder))
+
+
+def test_a_read_only_home_is_named_when_the_default_model_needs_building(monkeypatch, tmp_path):
+    import cache.models as models
+
+    def read_only(target):
+        raise OSError(30, "Read-only file system", str(target))
+
+    monkeypatch.setenv("KVGYM_HOME", str(tmp_path))
+    monkeypatch.setattr(models, "convert_smollm2", read_only)
+    with pytest.raises(models.ModelBuildError, match="set KVGYM_HOME to a writable folder"):
+        models.ensure_smollm2()
