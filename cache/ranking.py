@@ -157,7 +157,8 @@ def policy_features(view: CacheView, blind_phase: str = "prefill") -> np.ndarray
 
 def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Decision]:
     """Decisions that leave on each layer's device its pinned blocks plus its highest ``scores`` (``[L, N]``)
-    blocks up to the layer's budget (dropped blocks cannot return). A device block that falls out is merged
+    blocks up to the layer's budget (dropped blocks cannot return); under a global budget (``view.total_budget``)
+    the highest scores over all layers up to the total, so the scores decide each layer's share. A device block that falls out is merged
     into its neighbours where ``merge`` (``[L, N]``, optional) is > 0 and merging is legal, else evicted; an
     offloaded block that rises in is prefetched. Order per layer: prefetches into free device slots, then
     evictions and merges, then the prefetches that need the room they free.
@@ -179,13 +180,21 @@ def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Dec
         mean = np.where(finite, scores, 0.0).sum(axis=1, keepdims=True) / count
         spread = np.sqrt(np.where(finite, (scores - mean) ** 2, 0.0).sum(axis=1, keepdims=True) / count)
         scores = scores + stay * spread * (tier == Tier.DEVICE)
-    room = np.maximum(view.budget_blocks.numpy().astype(np.int64) - (pinned & live).sum(axis=1), 0)
-    # best first among each layer's candidates; ties keep block order; NaN ranks last among candidates
+    # best first among each layer's candidates (a global budget: among all layers'); ties keep block order (layer
+    # order first); NaN ranks last among candidates
     keyed = np.where(candidates, np.nan_to_num(scores, nan=-1e300, posinf=1e300, neginf=-1e300), -np.inf)
-    order = np.argsort(-keyed, axis=1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(view.num_blocks)[None], axis=1)
-    chosen = candidates & (rank < room[:, None])
+    if view.total_budget is None:
+        room = np.maximum(view.budget_blocks.numpy().astype(np.int64) - (pinned & live).sum(axis=1), 0)
+        order = np.argsort(-keyed, axis=1, kind="stable")
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(view.num_blocks)[None], axis=1)
+        chosen = candidates & (rank < room[:, None])
+    else:
+        room = max(int(view.total_budget) - int((pinned & live).sum()), 0)
+        order = np.argsort(-keyed.ravel(), kind="stable")
+        chosen = np.zeros(keyed.size, bool)
+        chosen[order[:room]] = True
+        chosen = candidates & chosen.reshape(keyed.shape)
     on_device = tier == Tier.DEVICE
     leaving = on_device & candidates & ~chosen
     arriving = chosen & ~on_device

@@ -97,6 +97,30 @@ def test_the_reward_is_the_task_score_minus_kl_and_bytes(tiny_model):
     assert 0.0 <= kls[1.0] < kls[0.3] and moved > 0  # at 0.3 evicted blocks went to the host tier
 
 
+def test_a_global_budget_lets_the_policy_choose_each_layers_share(tiny_model):
+    """budget_scope="global": the highest scores over all layers stay, so a policy that prefers layer 0 leaves
+    layer 1 its pinned blocks only, with the total within budget and no fallback; per layer (the negative control)
+    both layers keep the same share."""
+    def prefer_layer_0(observation):
+        keep = np.where(np.arange(observation["mask"].shape[0])[:, None] == 0, 0.9, -0.9) * observation["mask"]
+        return np.stack([keep, -np.ones_like(keep)], axis=-1).astype(np.float32)
+
+    gaps = {}
+    for scope in ("global", "layer"):
+        env = make(tiny_model, budget_scope=scope)
+        observation, _ = env.reset(seed=4, options={"budget": 0.4})
+        done, gap = False, []
+        while not done:
+            observation, _, done, _, info = env.step(prefer_layer_0(observation))
+            device = env._view.device_blocks().numpy()
+            gap.append(int(device[0] - device[1]))
+            if scope == "global" and not done:  # the total holds (plus the blocks written since the decision)
+                assert device.sum() <= env._view.budget_blocks.sum() + 2 * 4
+        assert info["fallbacks"] == 0
+        gaps[scope] = max(gap)
+    assert gaps["global"] >= 4 and gaps["layer"] == 0
+
+
 def test_one_shot_protocols_are_one_step_episodes(tiny_model):
     env = make(tiny_model, protocol="oneshot-question")
     _, info = env.reset(seed=2)

@@ -12,7 +12,9 @@ stays dropped, a block it moves costs bytes, what it keeps for one turn is what 
   the prompt and answer, the budget fraction, MB moved between tiers so far). ``N`` is fixed by ``max_tokens``.
 - **Action** ``[L, N, 2]`` in ``[-1, 1]``: a keep score and a merge logit per block. Each layer keeps its pinned
   blocks and its highest-scoring ones up to its budget (``keep_top``: evictions, merges where the logit is > 0,
-  prefetches), so the budget always holds and the cache's fallback never fires. A score policy with unbounded
+  prefetches), so the budget always holds and the cache's fallback never fires. With ``budget_scope="global"``
+  only the total over layers holds: the highest scores over all layers stay, so the policy decides how many
+  blocks each layer keeps (issue 39's global budget). A score policy with unbounded
   outputs maps them with any increasing squash (``squash``: ``x / (1 + |x|)``) without changing its choices.
 - **Reward**: per step, minus ``kl_weight`` times the KL(full cache || this cache) of each answer token decoded
   since the previous decision, on the tokens the full cache also produced (a position counts while the answer so
@@ -39,7 +41,7 @@ from gymnasium import spaces
 from cache.controller import PHASES, CacheView
 from cache.paged_cache import CacheConfig
 from cache.ranking import NUM_RANK_FEATURES, RANK_FEATURES, keep_top, policy_features
-from cache.runner import PROTOCOLS, Runner
+from cache.runner import BUDGET_SCOPES, PROTOCOLS, Runner
 from cache.sentences import sentence_end_token_ids
 from cache.tiers import Tier
 
@@ -88,7 +90,7 @@ class KVCacheEnv(gym.Env):
                  protocol: str = "streaming", budget_range=(0.125, 0.5), host_blocks: int = 0, block_size: int = 16,
                  prefill_chunk: int = 64, decide_every: int = 8, max_new_tokens: int | None = None,
                  max_tokens: int | None = None, transfer_cost: float = 0.0, kl_weight: float = 1.0,
-                 chat: bool = False, render_mode: str | None = None):
+                 budget_scope: str = "layer", chat: bool = False, render_mode: str | None = None):
         from eval.tasks.base import get_task
 
         if isinstance(tasks, str):
@@ -99,6 +101,8 @@ class KVCacheEnv(gym.Env):
         self.generators = {task: get_task(task) for task in tasks}  # an unknown task is refused before loading
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+        if budget_scope not in BUDGET_SCOPES:
+            raise ValueError(f"budget_scope {budget_scope!r}: choose one of {', '.join(BUDGET_SCOPES)}")
         low, high = budget_range
         if not 0.0 < low <= high <= 1.0:
             raise ValueError(f"budget_range {budget_range!r}: need 0 < low <= high <= 1")
@@ -123,6 +127,7 @@ class KVCacheEnv(gym.Env):
             raise ValueError("tokenizer: a tokenizer is needed to build task prompts (pass one with the model)")
         self.model, self.tokenizer, self.chat, self.render_mode = model, tokenizer, chat, render_mode
         self.tasks, self.lengths, self.protocol, self.budget_range = tasks, lengths, protocol, (low, high)
+        self.budget_scope = budget_scope
         self.cache_config = CacheConfig(block_size=block_size, host_blocks=host_blocks)
         self.prefill_chunk, self.decide_every, self.max_new_tokens = prefill_chunk, decide_every, max_new_tokens
         self.transfer_cost, self.kl_weight = float(transfer_cost), float(kl_weight)
@@ -161,7 +166,8 @@ class KVCacheEnv(gym.Env):
 
     def _runner(self, controller, budget) -> Runner:
         runner = Runner(self.model, None, self.cache_config, controller=controller, budget=budget,
-                        prefill_chunk=self.prefill_chunk, decide_every=self.decide_every, protocol=self.protocol)
+                        prefill_chunk=self.prefill_chunk, decide_every=self.decide_every, protocol=self.protocol,
+                        budget_scope=self.budget_scope if controller is not None else None)
         runner.tokenizer, runner.sentence_end_ids = self.tokenizer, self._sentence_end_ids
         return runner
 
