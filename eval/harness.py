@@ -521,13 +521,14 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
              chat: bool = True, host_blocks: int = 0, block_size: int = 16, prefill_chunk: int = 64,
              decide_every: int = 8, protocol: str = "streaming", decode_budget: str = "grow",
              budget_scope: str | None = None, share_prefill: bool = True, model_name: str | None = None, progress: bool = True,
-             plots: bool = True) -> list[dict]:
+             plots: bool = True, ray: dict | None = None) -> list[dict]:
     """Run the evaluation (see the module docstring) and write the files; returns the summary rows.
 
     ``controllers`` are registry specs (a list, or one comma-separated string), ``budgets`` fractions in
     (0, 1] of each sample's context, ``tasks`` registered task names (``None``: only ``tasks_file`` /
     ``dataset``), ``lengths`` target prompt lengths in tokens, ``n`` samples per task and length (and the
-    most samples taken from a dataset).
+    most samples taken from a dataset). ``ray`` (``eval.ray_eval.RaySettings`` as a dict: address, workers, the
+    model name, device and dtype each worker loads) sends each sample's runs to a Ray cluster instead.
     """
     from tqdm import tqdm
 
@@ -606,6 +607,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
         wanted: list[tuple] = []
         bar = tqdm(total=len(work) * len(runs), desc="kvgym eval", unit="run", **({} if progress else {"disable": True}))
         try:
+            pending = []
             for item in work:
                 sample, sample_seed_value = _make_sample(context, item, generators, seed)
                 keys = [(spec, budget, item.task, item.length, item.index, seed, sample_hash(sample))
@@ -613,8 +615,26 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
                 wanted += keys
                 missing = [key for key in keys if key not in done]
                 bar.update(len(keys) - len(missing))
-                if missing:
-                    _run_sample(context, item, sample, sample_seed_value, keys, done, samples_path, bar, digests)
+                if not missing:
+                    continue
+                if ray is not None:  # sent to the cluster below, as items: workers make their own samples
+                    pending.append((item, seed, missing))
+                    continue
+                full_first = keys[:1] + [key for key in missing if key != keys[0]]  # the reference always runs
+                for key, record in sample_records(context, item, sample, sample_seed_value, full_first, bar):
+                    if key not in done:
+                        _keep(key, record, done, samples_path, digests)
+                        bar.update(1)
+            if pending:
+                from eval.ray_eval import run_on_ray
+
+                settings = {"chat": chat, "host_blocks": host_blocks, "block_size": block_size,
+                            "prefill_chunk": prefill_chunk, "decide_every": decide_every, "protocol": protocol,
+                            "decode_budget": decode_budget, "share_prefill": share_prefill,
+                            "budget_scope": budget_scope}
+                for key, record in run_on_ray(ray, settings, pending):
+                    _keep(key, record, done, samples_path, digests)
+                    bar.update(1)
         finally:
             bar.close()
 
@@ -641,8 +661,9 @@ def _make_sample(context: _Context, item: _Work, generators: dict, seed: int):
     return generators[item.task](context.tokenizer, item.length, sample_seed_value, item.index), sample_seed_value
 
 
-def _run_sample(context: _Context, item: _Work, sample, sample_seed_value, keys: list[tuple], done: dict,
-                samples_path: Path, bar, digests: dict) -> None:
+def sample_records(context: _Context, item: _Work, sample, sample_seed_value, keys: list[tuple], bar=None):
+    """Run one sample's ``keys`` (the full cache first, as the reference; one-shot protocols share its dense
+    prefill) and yield ``(key, record)`` as each run ends. The same code serves a local run and a Ray worker."""
     from agents.registry import make_controller, parse_spec
     from eval.tasks.prompt import build_prompt
 
@@ -663,31 +684,35 @@ def _run_sample(context: _Context, item: _Work, sample, sample_seed_value, keys:
         reference = context.run(None, None, prompt, sample, forced)
     except ValueError as err:
         raise ValueError(f"{where}, full cache: {err}") from None
-    for key in keys:
-        spec, budget = key[0], key[1]
-        if key in done:
-            continue
-        bar.set_postfix_str(f"{item.task}/{item.length}/{item.index} {spec}@{budget:g}", refresh=False)
-        if spec == FULL:
-            result = reference
-        else:
-            try:
-                if parse_spec(spec)[0] == "oracle":
-                    if spec not in oracles:
-                        oracles[spec] = context.oracle(spec, prompt, sample, forced)
-                    controller = oracles[spec]
-                else:
-                    controller = make_controller(spec)
-                result = context.run(controller, budget, prompt, sample, forced)
-            except ValueError as err:
-                raise ValueError(f"{where}, controller {spec} at budget {budget:g}: {err}") from None
-        record = _record(dict(zip(KEY_FIELDS, key, strict=True)), sample, sample_seed_value, result, reference, forced,
-                         context.protocol)
-        if digests.get(spec) is not None:
-            record["controller_digest"] = digests[spec]
-        # opened per record (not once per run): a file replaced while a long run writes (a `git stash` or
-        # checkout of the results folder) still receives every later record, instead of an unlinked copy
-        append_record(samples_path, record)
-        done[key] = record
-        bar.update(1)
-    context.shared = None
+    try:
+        for key in keys:
+            spec, budget = key[0], key[1]
+            if bar is not None:
+                bar.set_postfix_str(f"{item.task}/{item.length}/{item.index} {spec}@{budget:g}", refresh=False)
+            if spec == FULL:
+                result = reference
+            else:
+                try:
+                    if parse_spec(spec)[0] == "oracle":
+                        if spec not in oracles:
+                            oracles[spec] = context.oracle(spec, prompt, sample, forced)
+                        controller = oracles[spec]
+                    else:
+                        controller = make_controller(spec)
+                    result = context.run(controller, budget, prompt, sample, forced)
+                except ValueError as err:
+                    raise ValueError(f"{where}, controller {spec} at budget {budget:g}: {err}") from None
+            yield key, _record(dict(zip(KEY_FIELDS, key, strict=True)), sample, sample_seed_value, result, reference,
+                               forced, context.protocol)
+    finally:
+        context.shared = None
+
+
+def _keep(key: tuple, record: dict, done: dict, samples_path: Path, digests: dict) -> None:
+    """Name the digest of the files the record's controller read, append the record and remember it."""
+    if digests.get(key[0]) is not None:
+        record["controller_digest"] = digests[key[0]]
+    # opened per record (not once per run): a file replaced while a long run writes (a `git stash` or
+    # checkout of the results folder) still receives every later record, instead of an unlinked copy
+    append_record(samples_path, record)
+    done[key] = record

@@ -222,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  "across turns)")
     evaluation.add_argument("--decode-budget", default="grow", choices=("grow", "fixed"),
                             help="one-shot protocols: the cache grows after the decision (kvpress), or keeps the budget")
+    evaluation.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                            help="send each sample's runs to a Ray cluster (ADDRESS, e.g. auto or ray://host:10001; "
+                                 "none: a local Ray, one worker per CPU); records and resume as in a local run")
+    evaluation.add_argument("--ray-workers", type=int, default=None,
+                            help="with --ray: how many model workers (default: one per CPU of the cluster)")
     evaluation.add_argument("--budget-scope", default=None, choices=("layer", "global"),
                             help="layer: every layer holds its share of the budget; global (kvpress's layerwise=False): "
                                  "only the total over layers holds, and score-based baselines evict their lowest "
@@ -459,13 +464,23 @@ def cmd_eval(args) -> int:
         load_samples(args.dataset, split=args.dataset_split, limit=args.n)
     if args.block_size < 1:
         raise ValueError(f"--block-size {args.block_size}: must be a positive integer")
+    ray = None
+    if args.ray is not None:
+        if args.ray_workers is not None and args.ray_workers < 1:
+            raise ValueError(f"--ray-workers {args.ray_workers}: give a positive number of workers")
+        try:
+            import ray as _  # noqa: F401  (only to say early that it is missing)
+        except ImportError:
+            raise ValueError("--ray: Ray is not installed; pip install 'kvgym[ray]' (or pip install ray)") from None
+        ray = {"address": args.ray, "workers": args.ray_workers, "model": args.model, "device": args.device,
+               "dtype": args.dtype}
     loaded = models.load_model(args.model, device=args.device, dtype=args.dtype)
     rows = evaluate(loaded.model, loaded.tokenizer, args.controllers, args.budgets, tasks, args.lengths, args.n,
                     args.seed, args.out, tasks_file=args.tasks_file, dataset=args.dataset,
                     dataset_split=args.dataset_split, chat=not args.no_chat, host_blocks=args.host_blocks,
                     block_size=args.block_size, prefill_chunk=args.prefill_chunk, decide_every=args.decide_every,
                     protocol=args.protocol, decode_budget=args.decode_budget, budget_scope=args.budget_scope,
-                    model_name=args.model, plots=not args.no_plots)
+                    model_name=args.model, plots=not args.no_plots, ray=ray)
     failed = sorted({(r["task"], r["length"]) for r in rows if r["full_cache_failed"]})
     print((args.out / "summary.md").read_text())
     if failed:
