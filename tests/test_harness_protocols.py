@@ -124,7 +124,7 @@ def test_dataset_samples_run_through_the_harness(tiny_model, tmp_path, monkeypat
 def test_tasks_file_accepts_context_and_question(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text(json.dumps({"context": "abc ", "question": "what?", "outputs": ["x"], "metric": "exact"}) + "\n"
-                    + json.dumps({"input": "abc what?", "question": "what?", "outputs": ["x"], "metric": "exact"}) + "\n")
+                    + json.dumps({"input": "abc what?", "question": "what?", "outputs": ["y"], "metric": "exact"}) + "\n")
     entries = harness.read_tasks_file(path)
     assert [e["input"] for e in entries] == ["abc what?", "abc what?"] and entries[0]["question"] == "what?"
     path.write_text(json.dumps({"context": "a", "question": "b", "input": "c", "outputs": ["x"], "metric": "exact"}))
