@@ -485,7 +485,13 @@ CONFIG_DEFAULTS = {"budget_scope": None}  # settings added later: what a folder 
 def _check_config(out: Path, config: dict) -> None:
     path = out / "eval_config.json"
     if path.is_file():
-        old = json.loads(path.read_text())
+        try:
+            old = json.loads(path.read_text())
+            if not isinstance(old, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as err:  # an empty or damaged file (json's errors are ValueErrors)
+            raise ValueError(f"{path} is empty or damaged ({err}); remove it to rewrite it from this run's settings "
+                             "(samples.jsonl is kept), or use a fresh --out") from None
         changed = {k: (old.get(k, CONFIG_DEFAULTS.get(k)), v) for k, v in config.items()
                    if old.get(k, CONFIG_DEFAULTS.get(k)) != v}
         if changed:

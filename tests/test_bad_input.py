@@ -386,6 +386,8 @@ API_CASES = [  # issue 41: what once passed silently, or with a traceback, and t
     pytest.param(lambda tmp: _two_schemas(tmp), "different columns", id="dataset-folder-two-schemas"),
     pytest.param(lambda tmp: _tasks_file_twice(tmp), "line 3: repeats line 1", id="tasks-file-duplicate-line"),
     pytest.param(lambda tmp: _eval_into_compressed(tmp), "holds compressed records", id="eval-into-compressed-records"),
+    pytest.param(lambda tmp: _eval_into_compressed(tmp, config=""), "eval_config.json is empty or damaged",
+                 id="eval-config-empty"),
     pytest.param(lambda tmp: _ranker(stay=1e308), "stay=1e.308 is outside", id="ranker-stay-huge"),
     pytest.param(lambda tmp: _ranker(stay=float("nan")), "stay=nan is outside", id="ranker-stay-nan"),
 ]
@@ -415,11 +417,14 @@ def _tasks_file_twice(tmp_path):
     return read_tasks_file(tmp_path / "t.jsonl")
 
 
-def _eval_into_compressed(tmp_path):
+def _eval_into_compressed(tmp_path, config=None):
     from eval.harness import evaluate
     from tests.conftest import make_tiny_llama
 
-    (tmp_path / "samples.jsonl.gz").write_bytes(b"")
+    if config is None:
+        (tmp_path / "samples.jsonl.gz").write_bytes(b"")
+    else:
+        (tmp_path / "eval_config.json").write_text(config)
     return evaluate(make_tiny_llama(), ByteTokenizer(), "lru", "0.5", ["toy_recall"], [160], 1, 0, tmp_path,
                     progress=False, plots=False)
 

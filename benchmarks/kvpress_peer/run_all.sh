@@ -28,4 +28,4 @@ kvgym eval "${COMMON[@]}" --protocol oneshot-question --budgets 0.25,0.125 \
 kvgym eval "${COMMON[@]}" --protocol oneshot --budgets 0.25 --out $D/kvgym_oneshot \
   --controllers kvzip,kvzip:layerwise=true,tova,knorm,keydiff,snapkv:kernel_size=5,pooling=avgpool,expected_attention,streamingllm
 
-python benchmarks/kvpress_peer/summarize.py $D
+python benchmarks/kvpress_peer/summarize.py $D --pair kvzip=kvzip_shared --pair kvzip:layerwise=true=kvzip_layerwise_shared

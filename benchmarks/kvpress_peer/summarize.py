@@ -67,9 +67,14 @@ def main():
     pairs = dict(item.rsplit("=", 1) for item in args.pair)
     agreement = {}
     for samples in sorted(args.folder.glob("kvgym_*/samples.jsonl")):
-        rows = compare(samples, peer, pairs)
+        rows = compare(samples, peer)
         agreement[samples.parent.name] = rows
-        lines += ["", f"## kvgym ({samples.parent.name}) beside kvpress", "", markdown(rows)]
+        lines += ["", f"## kvgym ({samples.parent.name}) beside kvpress's press of the same name", "", markdown(rows)]
+        if pairs:
+            same_rule = [row for row in compare(samples, peer, pairs) if row["controller"] in pairs]
+            agreement[samples.parent.name + " (same selection rule)"] = same_rule
+            lines += ["", f"## kvgym ({samples.parent.name}) beside the kvpress variant with its selection rule", "",
+                      markdown(same_rule)]
     (args.folder / "summary.md").write_text("\n".join(lines) + "\n")
     (args.folder / "summary.json").write_text(json.dumps({"kvzip_ablation": ablation, "agreement": agreement},
                                                          indent=1) + "\n")
