@@ -93,6 +93,7 @@ def test_the_reward_is_the_task_score_minus_kl_and_bytes(tiny_model):
         kl, moved = sum(i["kl"] for i in infos), sum(i["mb_moved"] for i in infos)
         assert infos[-1]["kl_positions"] > 0
         assert sum(rewards) == pytest.approx(infos[-1]["score"] - kl - 0.5 * moved)
+        assert sum(i["transfer_cost"] for i in infos) == pytest.approx(0.5 * moved)
         kls[budget] = kl
     assert 0.0 <= kls[1.0] < kls[0.3] and moved > 0  # at 0.3 evicted blocks went to the host tier
 
@@ -121,6 +122,24 @@ def test_a_global_budget_lets_the_policy_choose_each_layers_share(tiny_model):
     assert gaps["global"] >= 4 and gaps["layer"] == 0
 
 
+def test_transfer_costs_follow_a_bandwidth_model_per_tier_pair(tiny_model):
+    """Per tier pair: moving to the host and back over PCIe costs 1/25 ms per MB, anything touching the disk 1/3;
+    an env charging only device->host costs exactly that pair's MB."""
+    from kvgym.envs.kvcache import bandwidth_costs
+
+    costs = bandwidth_costs(per_ms=1.0)
+    assert costs["device->host"] == costs["host->device"] == pytest.approx(1 / 25)
+    assert costs["device->disk"] == costs["disk->host"] == pytest.approx(1 / 3)
+    env = make(tiny_model, host_blocks=64, transfer_cost={"device->host": 2.0})
+    _, infos = run_episode(env, keep_oldest, seed=5, budget=0.3)
+    charged = sum(i["transfer_cost"] for i in infos)
+    moved = env.last_result.bytes_moved  # {"device->host": bytes, ...}
+    assert charged == pytest.approx(2.0 * moved["device->host"] / 1e6) and charged > 0
+    env = make(tiny_model, host_blocks=64, transfer_cost={"host->device": 2.0})  # negative control: no prefetch
+    _, infos = run_episode(env, keep_oldest, seed=5, budget=0.3)
+    assert sum(i["transfer_cost"] for i in infos) == 0.0 and env.last_result.bytes_moved["device->host"] > 0
+
+
 def test_one_shot_protocols_are_one_step_episodes(tiny_model):
     env = make(tiny_model, protocol="oneshot-question")
     _, info = env.reset(seed=2)
@@ -133,7 +152,8 @@ BAD = [
     (dict(budget_range=(0.5, 0.1)), "low <= high"),
     (dict(tasks=()), "give at least one task"),
     (dict(tasks="toy_recall,nope"), "unknown task 'nope'"),
-    (dict(transfer_cost=float("nan")), "transfer_cost nan"),
+    (dict(transfer_cost=float("nan")), "transfer_cost device->host nan"),
+    (dict(transfer_cost={"gpu->host": 1.0}), "unknown tier pairs"),
     (dict(decide_every=0), "decide_every 0"),
     (dict(max_tokens=100), "max_tokens 100"),  # raised at reset: the samples do not fit
 ]

@@ -19,7 +19,8 @@ stays dropped, a block it moves costs bytes, what it keeps for one turn is what 
 - **Reward**: per step, minus ``kl_weight`` times the KL(full cache || this cache) of each answer token decoded
   since the previous decision, on the tokens the full cache also produced (a position counts while the answer so
   far equals the full cache's; after the two diverge the task score speaks for them), minus ``transfer_cost``
-  per MB moved between tiers in the step; at the end, plus the task score (the mean over turns).
+  per MB moved between tiers in the step (one number for every tier pair, or one per pair: ``bandwidth_costs``
+  derives them from a stated PCIe / disk bandwidth model); at the end, plus the task score (the mean over turns).
 
 The run itself is ``cache.runner.Runner``, unchanged: it runs in a worker thread whose controller hands each
 decision point to ``step`` and waits for the action, so the env follows every protocol exactly as ``kvgym eval``
@@ -57,9 +58,24 @@ def squash(scores: np.ndarray) -> np.ndarray:
     return (scores / (1.0 + np.abs(scores))).astype(np.float32)
 
 
-def _mb_moved(cache) -> float:
-    """MB moved between tiers so far, every direction."""
-    return sum(cache.bytes_moved.values()) / 1e6
+TIER_PAIRS = ("device->host", "host->device", "device->disk", "disk->device", "host->disk", "disk->host")
+
+
+def bandwidth_costs(per_ms: float, pcie_gb_per_s: float = 25.0, disk_gb_per_s: float = 3.0) -> dict[str, float]:
+    """``transfer_cost`` per tier pair from a bandwidth model: ``per_ms`` of reward per millisecond of transfer, a
+    PCIe link between device and host (25 GB/s: PCIe 4.0 x16) and a disk link (3 GB/s: an NVMe drive) for anything
+    that touches the disk. A MB over a link of B GB/s takes 1 / B ms."""
+    cost = {}
+    for pair in TIER_PAIRS:
+        speed = disk_gb_per_s if "disk" in pair else pcie_gb_per_s
+        cost[pair] = per_ms / speed
+    return cost
+
+
+def _mb_moved(cache, cost: dict[str, float]) -> tuple[float, float]:
+    """MB moved between tiers so far, every direction, and their cost (``cost`` per MB of each tier pair)."""
+    mb = {f"{a}->{b}": n / 1e6 for (a, b), n in cache.bytes_moved.items()}
+    return sum(mb.values()), sum(cost.get(pair, 0.0) * value for pair, value in mb.items())
 
 
 class _Abort(Exception):
@@ -89,7 +105,7 @@ class KVCacheEnv(gym.Env):
     def __init__(self, model="smollm2-135m", tokenizer=None, tasks=("families_train",), lengths=(2048,),
                  protocol: str = "streaming", budget_range=(0.125, 0.5), host_blocks: int = 0, block_size: int = 16,
                  prefill_chunk: int = 64, decide_every: int = 8, max_new_tokens: int | None = None,
-                 max_tokens: int | None = None, transfer_cost: float = 0.0, kl_weight: float = 1.0,
+                 max_tokens: int | None = None, transfer_cost: float | dict = 0.0, kl_weight: float = 1.0,
                  budget_scope: str = "layer", chat: bool = False, render_mode: str | None = None):
         from eval.tasks.base import get_task
 
@@ -113,8 +129,12 @@ class KVCacheEnv(gym.Env):
                 raise ValueError(f"{name} {value!r}: must be a positive integer")
         if host_blocks < 0:
             raise ValueError(f"host_blocks {host_blocks!r}: must be >= 0")
-        for name, value in (("transfer_cost", transfer_cost), ("kl_weight", kl_weight)):
-            if not (math.isfinite(value) and value >= 0):
+        costs = transfer_cost if isinstance(transfer_cost, dict) else dict.fromkeys(TIER_PAIRS, transfer_cost)
+        unknown = sorted(set(costs) - set(TIER_PAIRS))
+        if unknown:
+            raise ValueError(f"transfer_cost: unknown tier pairs {unknown}; the pairs are {', '.join(TIER_PAIRS)}")
+        for name, value in [*((f"transfer_cost {pair}", c) for pair, c in costs.items()), ("kl_weight", kl_weight)]:
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r}: must be a finite number >= 0")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r}: use one of {self.metadata['render_modes']}")
@@ -130,7 +150,7 @@ class KVCacheEnv(gym.Env):
         self.budget_scope = budget_scope
         self.cache_config = CacheConfig(block_size=block_size, host_blocks=host_blocks)
         self.prefill_chunk, self.decide_every, self.max_new_tokens = prefill_chunk, decide_every, max_new_tokens
-        self.transfer_cost, self.kl_weight = float(transfer_cost), float(kl_weight)
+        self.transfer_cost, self.kl_weight = {pair: float(c) for pair, c in costs.items()}, float(kl_weight)
         self.max_tokens = max_tokens or int(1.25 * max(lengths)) + 256
         self.num_layers, self.max_blocks = model.config.num_hidden_layers, math.ceil(self.max_tokens / block_size)
         shape = (self.num_layers, self.max_blocks)
@@ -146,6 +166,7 @@ class KVCacheEnv(gym.Env):
         self._references: OrderedDict = OrderedDict()
         self._worker: threading.Thread | None = None
         self._view: CacheView | None = None
+        self.last_result = None  # the last finished episode's RunResult (text, bytes moved per tier pair, ...)
 
     # ------------------------------------------------------------------ episode plumbing
     def _reference(self, key, prompt, max_new_tokens: int) -> dict:
@@ -218,7 +239,7 @@ class KVCacheEnv(gym.Env):
                           axis=1).astype(np.float32)
         phase = [float(view.phase == p) for p in PHASES]
         progress = view.seen / max(self._total_tokens, 1)
-        moved = _mb_moved(view.cache)
+        moved = _mb_moved(view.cache, self.transfer_cost)[0]
         glob = np.array([*phase, float(view.question_read), progress, self._budget, moved], np.float32)
         return {"blocks": blocks, "mask": mask, "layers": layers, "globals": glob}
 
@@ -258,7 +279,7 @@ class KVCacheEnv(gym.Env):
         self._sample, self._budget = sample, budget
         self._ref = self._reference((task, length, sample_seed, self.chat), prompt, max_new)
         self._answer, self._agrees, self._pending_kl, self._kl_positions = {}, True, 0.0, 0
-        self._moved_mb = 0.0
+        self._moved_mb = self._moved_cost = 0.0
         self._to_env, self._to_runner = queue.Queue(), queue.Queue()
         runner = self._runner(_Bridge(self._to_env, self._to_runner), budget)
         self._worker = threading.Thread(target=self._run, args=(runner, prompt, max_new), daemon=True)
@@ -281,14 +302,17 @@ class KVCacheEnv(gym.Env):
         self._pending_kl = 0.0
         self._to_runner.put(action)
         kind, payload = self._next()
-        moved = _mb_moved(payload.cache)  # a view's or the run's cache
-        step_mb, self._moved_mb = moved - self._moved_mb, moved
-        reward = -self.kl_weight * self._pending_kl - self.transfer_cost * step_mb
-        info = {"kl": self._pending_kl, "mb_moved": step_mb}
+        moved, cost = _mb_moved(payload.cache, self.transfer_cost)  # a view's or the run's cache
+        step_mb, step_cost = moved - self._moved_mb, cost - self._moved_cost
+        self._moved_mb, self._moved_cost = moved, cost
+        reward = -self.kl_weight * self._pending_kl - step_cost
+        info = {"kl": self._pending_kl, "mb_moved": step_mb, "transfer_cost": step_cost}
         if kind == "decide":
             self._view = payload
             return self._observation(payload), float(reward), False, False, info
         self._worker = None
+        payload.cache.close()  # the run's cache is done with; its byte counts stay in payload.bytes_moved
+        payload.cache, self.last_result = None, payload
         score = self._score(payload)
         info.update(score=score, text=payload.text, fallbacks=payload.fallbacks, decisions=payload.decisions,
                     kl_positions=self._kl_positions)
