@@ -23,6 +23,7 @@ class PolicyFileError(ValueError):
 
 
 def sha256_hex(data: bytes) -> str:
+    """The sha256 of ``data`` as hex digits."""
     return hashlib.sha256(data).hexdigest()
 
 

@@ -57,6 +57,7 @@ def register(name: str, target: str) -> None:
 
 
 def controller_class(name: str, table: dict[str, str] = CONTROLLERS):
+    """The controller class registered as ``name`` (imported on demand)."""
     if name not in table:
         raise ValueError(f"unknown controller {name!r}: choose from {', '.join(sorted(table))}")
     module, _, cls = table[name].partition(":")
@@ -83,6 +84,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
 
 def config_defaults(name: str) -> dict:
+    """The defaults a controller's YAML config file gives (empty when it has none)."""
     path = CONFIG_DIR / f"{name}.yaml"
     if not path.is_file():
         return {}

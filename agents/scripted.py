@@ -93,11 +93,13 @@ class Scripted:
 
 @dataclass
 class Evict(Scripted):
+    """The scripted policy that evicts the blocks its rule picks."""
     op: ClassVar[Op] = Op.EVICT
 
 
 @dataclass
 class Merge(Scripted):
+    """The scripted policy that merges the blocks its rule picks into their neighbours."""
     op: ClassVar[Op] = Op.MERGE
 
 

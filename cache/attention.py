@@ -58,6 +58,7 @@ def causal_mask(q_len: int, kv_len: int, device, last_rows: int | None = None) -
 
 def paged_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: float | None = None, paged_cache=None, paged_batch=None, **kwargs):
+    """Attention over the paged cache's device blocks, recording block statistics (module docstring)."""
     if paged_batch is not None:  # a BatchedPagedCache forward: row i attends its own cache
         caches, rows = paged_batch
         outputs = [paged_attention_forward(module, query[i : i + 1], k, v, None, dropout, scaling, paged_cache=cache)[0]

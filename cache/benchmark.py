@@ -33,6 +33,7 @@ def prose_token_ids(tokenizer, length: int, text: str) -> torch.Tensor:
 @torch.no_grad()
 def bench_cache(model, tokenizer, text: str, contexts: list[int], decode_steps: int = 16, prefill_repeats: int = 3,
                 seed: int = 0, progress=None) -> dict:
+    """Paged cache against ``DynamicCache``: prefill and decode time and bytes read per context length."""
     rng = random.Random(seed)
     device = next(model.parameters()).device
     results = []

@@ -46,6 +46,7 @@ def unit_cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-8) -> torch.Te
 
 
 class Op(IntEnum):
+    """What a decision does to a block: keep it, evict it, merge it into its neighbours, prefetch it."""
     KEEP = 0
     EVICT = 1
     MERGE = 2
@@ -53,6 +54,7 @@ class Op(IntEnum):
 
 
 class Decision(NamedTuple):  # a named tuple: a ranking decision creates thousands of them at once
+    """One operation on one block of one layer."""
     layer: int
     block: int
     op: Op

@@ -235,6 +235,7 @@ def default_dtype(device: str) -> torch.dtype:
 
 
 def parse_dtype(name: str | None, device: str) -> torch.dtype:
+    """The torch dtype a ``--dtype`` name gives (None: the device's default)."""
     if name is None:
         return default_dtype(device)
     choices = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -263,6 +264,7 @@ def tiny_random_llama(vocab_size: int = 256, seed: int = 0, max_positions: int =
 
 @dataclass
 class LoadedModel:
+    """A model wired for paged attention, its tokenizer, the name it was asked by and where it was loaded from."""
     model: torch.nn.Module
     tokenizer: object
     name: str

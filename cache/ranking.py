@@ -140,6 +140,7 @@ PHASE_COLUMNS = [RANK_FEATURES.index(f"phase_{phase}") for phase in PHASES]
 
 
 def check_blind_phase(blind_phase: str) -> None:
+    """Refuse a ``blind_phase`` that is not one of the runner's phases."""
     if blind_phase not in PHASES:
         raise ValueError(f"blind_phase: expected one of {', '.join(PHASES)}, got {blind_phase!r}")
 

@@ -157,6 +157,7 @@ class SharedPrefill:
 
 @dataclass
 class RunResult:
+    """What one run produced: tokens, text, timings, bytes, operations and the cache's final state."""
     prompt_tokens: int
     new_tokens: list[int]
     text: str | None

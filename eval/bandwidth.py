@@ -160,6 +160,7 @@ def flat_ratio(values: list[float]) -> float | None:
 
 def plot(full: list[dict], budgeted: list[dict], fit: tuple[float, float, float | None], path: Path,
          title: str) -> None:
+    """Plot bytes read per token against context, the full cache beside the budgeted runs, with the fit."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -94,6 +94,7 @@ def bench_env(smollm2=None, num_envs=(4, 8), live_steps: int = 40, replay_steps:
 
 
 def write_report(report: dict | list, path: Path) -> None:
+    """Write ``report`` as indented JSON to ``path`` (its folder created)."""
     import json
 
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -277,6 +277,7 @@ def prompt_ids(tokenizer, sample, chat: bool = True) -> list[int]:
 
 
 def encode(tokenizer, text: str, special: bool = True) -> list[int]:
+    """Token ids of ``text`` (``eval.tasks.prompt.encode``)."""
     from eval.tasks.prompt import encode as encode_text
 
     return encode_text(tokenizer, text, special)
@@ -301,6 +302,7 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 
 def score_sample(sample, text: str) -> float:
+    """The task score of ``text`` for ``sample`` (``eval.scoring.score``)."""
     from eval.scoring import score
 
     return float(score(sample, text))
@@ -441,6 +443,7 @@ def controller_digest(spec: str) -> str | None:
 
 
 def record_key(record: dict) -> tuple:
+    """What makes two records the same run: controller, budget, task, length, index, seed and sample hash."""
     return (str(record["controller"]), float(record["budget"]), str(record["task"]), int(record["length"]),
             int(record["index"]), int(record["seed"]), str(record.get("sample_hash", "")))
 

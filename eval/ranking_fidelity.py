@@ -58,6 +58,7 @@ class ScoredRanking:
 
 
 def feature_score(column: str):
+    """A ranking that scores blocks by one feature column."""
     index = RANK_FEATURES.index(column)
     return lambda features: features[..., index].float()
 

@@ -49,6 +49,7 @@ def rankdata(values: Sequence[float]) -> np.ndarray:
 
 
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson's correlation of ``x`` and ``y`` (NaN for fewer than two points)."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     if len(x) < 2:
         return float("nan")

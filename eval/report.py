@@ -99,6 +99,7 @@ def _format(column: str, value) -> str:
 
 
 def write_summary_csv(rows: list[dict], path: Path) -> None:
+    """Write the summary rows as CSV."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(SUMMARY_COLUMNS)
@@ -213,6 +214,7 @@ def pooled_common(records: list[dict]) -> list[dict]:
 
 
 def pooled_common_md(rows: list[dict]) -> str:
+    """The pooled rows as a Markdown table."""
     header = ["budget", "controller", "n", "accuracy", "95% CI", "rel_accuracy", "MB moved / token"]
     return _md_table(header, [[_format("budget", r["budget"]), r["controller"], str(r["n"]),
                                _format("accuracy", r["accuracy"]),
@@ -222,6 +224,7 @@ def pooled_common_md(rows: list[dict]) -> str:
 
 
 def paired_differences_md(rows: list[dict]) -> str:
+    """The paired differences as a Markdown table."""
     header = ["budget", "vs", "n", "accuracy", "theirs", "difference", "95% CI", "won / tied / lost"]
     return _md_table(header, [[_format("budget", r["budget"]), r["other"], str(r["n"]), f"{r['mean']:.3f}",
                                f"{r['other_mean']:.3f}", f"{r['difference']:+.3f}",
@@ -236,6 +239,7 @@ def _md_table(header: list[str], lines: list[list[str]]) -> str:
 
 
 def write_summary_md(rows: list[dict], path: Path, pooled: list[dict] | None = None) -> None:
+    """Write the summary rows (and the pooled table) as Markdown, flagging cells where the full cache fails."""
     failed = sorted({(r["task"], r["length"]) for r in rows if r["full_cache_failed"]})
     header = list(SUMMARY_COLUMNS[:-1]) + ["flag"]
     lines = [[_format(c, row[c]) for c in SUMMARY_COLUMNS[:-1]]

@@ -36,6 +36,7 @@ PROTOCOL_CHOICES = ("streaming", "oneshot", "oneshot-question", "multiturn")  # 
 
 
 def bundled_prompt() -> str:
+    """The demo prompt shipped with the package."""
     return resources.files("kvgym").joinpath("prompts", BUNDLED_PROMPT).read_text()
 
 
@@ -51,6 +52,7 @@ def parse_budget(text: str | None):
 
 
 def parse_int_list(text: str) -> list[int]:
+    """Comma-separated integers; an error names the bad value."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -61,6 +63,7 @@ def parse_int_list(text: str) -> list[int]:
 
 
 def parse_fraction_list(text: str) -> list[float]:
+    """Comma-separated fractions in (0, 1]; an error names the bad value."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -98,6 +101,7 @@ def _add_ranker_sample_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: every command and its flags."""
     parser = argparse.ArgumentParser(prog="kvgym", description="KV-cache policies on a live, paged KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -443,6 +447,7 @@ DEFAULT_EVAL_TASKS = "passkey,niah_single,vt,research,text"
 
 
 def cmd_eval(args) -> int:
+    """``kvgym eval``: check the inputs before loading the model, then run the grid (``eval.harness``)."""
     from cache import models
     from eval.harness import check_inputs, evaluate, read_tasks_file, task_generator
 
@@ -491,6 +496,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_setup(args) -> int:
+    """``kvgym setup``: convert the default model and fetch the corpora."""
     from cache.models import ensure_smollm2
     from eval.tasks.corpora import ensure_corpora
 
@@ -547,6 +553,7 @@ def _check_generate_args(args) -> str:
 
 
 def cmd_generate(args) -> int:
+    """``kvgym generate``: one prompt under one controller, with the cache's state after the run."""
     from rich.console import Console
     from rich.table import Table
 
@@ -591,6 +598,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """``kvgym bench``: the benchmark scripts behind BENCHMARKS.md."""
     from cache.benchmark import bench_cache, bench_ops
     from cache.models import load_model
 
@@ -660,6 +668,7 @@ def _write_report(report: dict, args) -> int:
 
 
 def cmd_bandwidth(args) -> int:
+    """``kvgym bandwidth``: bytes read per token against context length."""
     from cache.models import load_model
     from eval.bandwidth import corpus_token_ids, default_corpus_path, run_bandwidth
 
@@ -681,6 +690,7 @@ def cmd_bandwidth(args) -> int:
 
 
 def cmd_traces(args) -> int:
+    """``kvgym traces``: record full-cache traces, or compare scripted policies on both envs."""
     if args.traces == "compare":
         from eval.harness import split_specs
         from eval.replay_compare import replay_returns
@@ -705,6 +715,7 @@ def cmd_traces(args) -> int:
 
 
 def cmd_train(args) -> int:
+    """``kvgym train``: PPO on the replay env from a config."""
     from agents.ppo.train import load_config, train
 
     config = load_config(args.config, args.overrides)
@@ -713,6 +724,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_ranker(args) -> int:
+    """``kvgym ranker``: the ranking policy's collect / train / regret / ppo / live commands."""
     if args.ranker == "train":
         from agents.ranker.train import train
 
@@ -904,6 +916,7 @@ def _ranker_live_train(args) -> int:
 
 
 def cmd_tensorboard(args) -> int:
+    """``kvgym tensorboard``: serve a runs folder."""
     import subprocess
 
     args.logdir.mkdir(parents=True, exist_ok=True)
@@ -913,6 +926,7 @@ def cmd_tensorboard(args) -> int:
 
 
 def cmd_peer(args) -> int:
+    """``kvgym peer``: kvgym's records beside kvpress's on the same samples."""
     from eval.peer import compare, markdown
     from eval.report import records_file
 
@@ -937,6 +951,7 @@ SAMPLE_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "sco
 
 
 def cmd_compare(args) -> int:
+    """``kvgym compare``: one controller against every other on the samples both ran."""
     from eval.env_benchmark import write_report
     from eval.report import paired_differences, paired_differences_md, read_jsonl, records_file
 
@@ -969,6 +984,7 @@ def cmd_report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; bad input ends with a message and exit code 2, Ctrl-C with 130."""
     args = build_parser().parse_args(argv)
     handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth,
                 "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "ranker": cmd_ranker, "tensorboard": cmd_tensorboard,

@@ -41,6 +41,7 @@ def lowest_scoring(view: CacheView, layer: int, scores: torch.Tensor, count: int
 
 
 def evict(layer: int, blocks: list[int], op: Op = Op.EVICT) -> list[Decision]:
+    """One decision per block of ``layer``: ``op`` (evict by default) for each of ``blocks``."""
     return [Decision(layer, block, op) for block in blocks]
 
 
@@ -79,6 +80,7 @@ AGGREGATIONS = ("mean", "max")  # how per-query-head scores become one score per
 
 
 def check_choice(owner: str, name: str, value, choices) -> None:
+    """Refuse ``value`` of ``owner``'s parameter ``name`` unless it is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{owner}: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 

@@ -128,6 +128,7 @@ def expected_scores(keys: torch.Tensor, values: torch.Tensor, mean: torch.Tensor
 
 @dataclass
 class ExpectedAttention:
+    """Expected Attention (kvpress): blocks scored by the attention expected from future queries (module docstring)."""
     n_future_positions: int = 512  # kvpress default
     n_sink: int = 4  # kvpress default: first tokens out of the statistics and the softmax, always kept
     use_covariance: bool = True

@@ -43,6 +43,7 @@ from cache.controller import CacheView, Decision
 
 @dataclass
 class H2O:
+    """H2O: heavy hitters by accumulated attention plus a recent window (module docstring)."""
     heavy_ratio: float = 0.1  # share of the budget for heavy hitters; official default 0.1 of the prompt
     recent_ratio: float = 0.1  # share for the recent window; official default 0.1 of the prompt
     aggregation: str = "mean"  # over query heads: "mean" or "max"

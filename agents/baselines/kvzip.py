@@ -177,6 +177,7 @@ def forget_reconstructions() -> None:
 
 @dataclass
 class KVzip:
+    """KVzip: keep the blocks a reconstruction of the context needs (module docstring)."""
     n_sink: int = 4  # kvpress default: the first tokens are always kept
     chunk_size: int = 2048  # context tokens rebuilt per reconstruction pass (kvpress default)
     aggregation: str = "max"  # over query heads: "max" (kvpress: max over each KV group) or "mean"

@@ -18,6 +18,7 @@ from cache.controller import CacheView, Decision
 
 @dataclass
 class LRU:
+    """Least recently used: evict the blocks attended (or written) longest ago."""
     def decide(self, view: CacheView) -> list[Decision]:
         written = (view.first_position + view.num_tokens.max(dim=0).values)[None].expand_as(view.last_attended)
         last_use = torch.maximum(view.last_attended, written)

@@ -33,6 +33,7 @@ from cache.controller import CacheView, Decision
 
 @dataclass
 class ObservedAttention:
+    """ObservedAttention (kvpress): accumulated attention over the queries that could see each block."""
     aggregation: str = "mean"  # over query heads: "mean" (kvpress's group mean) or "max"
 
     def __post_init__(self):

@@ -42,6 +42,8 @@ from cache.trace import AttentionTrace, TraceRecorder, record_trace  # noqa: F40
 
 @dataclass
 class Oracle:
+    """The future-attention oracle: keeps the blocks a full-cache trace says will be attended most (module
+    docstring)."""
     # its trace is a full-cache run with the same forward passes: recorded under the streaming protocol only
     protocols = ("streaming",)
     horizon: int | None = None  # tokens of future attention summed; None: the rest of the run

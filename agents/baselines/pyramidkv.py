@@ -38,6 +38,7 @@ from agents.baselines.snapkv import SnapKV
 
 @dataclass
 class PyramidKV(SnapKV):
+    """PyramidKV: SnapKV's selection within a pyramid of layer budgets (module docstring)."""
     kernel_size: int = 5  # KVCache-Factory and kvpress default
     pooling: str = "avgpool"  # KVCache-Factory and kvpress default
     beta: float = 20.0  # the pyramid's steepness: the last layer keeps C / β

@@ -94,6 +94,7 @@ def window_scores(view: CacheView, kernel_size: int, pooling: str, aggregation: 
 
 @dataclass
 class SnapKV:
+    """SnapKV: blocks scored by the pooled attention of the latest window of queries (module docstring)."""
     kernel_size: int = 7  # tokens; paper LongBench configs (ablation_c*_w32_k7_maxpool.json)
     pooling: str = "maxpool"  # "maxpool" (paper configs) or "avgpool" (library and kvpress default)
     aggregation: str = "mean"  # over query heads: "mean" (kvpress's group mean) or "max"

@@ -115,6 +115,7 @@ def redundant_blocks(view: CacheView, layer: int, count: int, key_threshold: flo
 
 @dataclass
 class SpindleKV:
+    """SpindleKV: shallow layers merge redundant blocks, deep layers evict by attention (module docstring)."""
     shallow_fraction: float = 0.25  # first ceil(0.25 L) layers shallow (paper's split unverified)
     key_threshold: float = 0.98  # θ_K on pre-RoPE keys (secondary notes)
     value_threshold: float = 0.95  # θ_V on values (secondary notes)

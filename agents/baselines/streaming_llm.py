@@ -16,6 +16,7 @@ from cache.controller import CacheView, Decision
 
 @dataclass
 class StreamingLLM:
+    """StreamingLLM: the attention-sink tokens plus a recent window."""
     n_sink: int = 4  # tokens; official StartRecentKVCache(start_size=4)
 
     def decide(self, view: CacheView) -> list[Decision]:

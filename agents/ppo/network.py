@@ -23,6 +23,7 @@ CONTEXT_SIZE = len(GLOBAL_FEATURES) + 3 + 2  # globals, tier occupancy, mean and
 
 
 def observation_sizes(num_layers: int, num_candidates: int) -> dict[str, int]:
+    """The flattened size of each part of the slot env's observation."""
     return {"layer_pressure": num_layers, "tier_occupancy": 3, "blocks": num_candidates * len(BLOCK_FEATURES),
             "globals": len(GLOBAL_FEATURES)}
 

@@ -219,6 +219,7 @@ def _check(config: dict) -> None:
 
 
 def git_commit() -> str | None:
+    """The checkout's commit hash, or None outside a git checkout."""
     try:
         root = Path(__file__).resolve().parents[2]
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
@@ -230,6 +231,7 @@ def git_commit() -> str | None:
 
 # ---------------------------------------------------------------------- envs
 def trace_dir(config: dict) -> Path:
+    """The folder of the recorded traces a training config names (its own, or one keyed by its settings)."""
     traces = config["traces"]
     if traces["dir"]:
         return Path(traces["dir"]).expanduser()
@@ -264,6 +266,7 @@ def _model(config: dict, model, tokenizer):
 
 
 def make_replay_env(config: dict, folder: Path):
+    """The replay env a training config describes, wrapped for SB3 (time limit, monitor)."""
     from gymnasium.wrappers import TimeLimit
     from stable_baselines3.common.monitor import Monitor
 

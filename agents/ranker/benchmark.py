@@ -23,6 +23,7 @@ from agents.ppo.benchmark import _times_ms
 
 def bench_decision(model, policy: str | Path, context: int = 2048, budget: float = 0.25, repeats: int = 50,
                    seed: int = 0) -> dict:
+    """Time one ranking decision (features, scorer, top-b) on a cache of ``context`` tokens."""
     from agents.ranker.controller import RankerController
     from cache.controller import CacheView
     from cache.paged_cache import CacheConfig, PagedKVCache
@@ -64,6 +65,7 @@ def bench_decision(model, policy: str | Path, context: int = 2048, budget: float
 
 
 def bench_replay(folder: str | Path, steps: int = 20_000, seed: int = 0) -> dict:
+    """Steps per second of the ranking replay env over recorded decision points."""
     import time
 
     from kvgym.envs.decisions import Decisions, RankingReplayEnv, load_records

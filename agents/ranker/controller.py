@@ -24,6 +24,7 @@ MAX_STAY = 100.0  # beyond this every resident block outranks every other: the r
 
 @dataclass
 class RankerController:
+    """The learned ranker as a cache controller (module docstring: parameters and phases)."""
     positional_parameter = "path"
     path: str = "policies/ranker_smollm2.pt"
     merge: bool = True  # false: never merge (evict whatever falls out)

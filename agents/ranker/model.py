@@ -34,6 +34,7 @@ PPO_ENTRY = "kvgym_ranker.json"
 
 
 class BlockScorer(nn.Module):
+    """Per-block MLP: ranking features in, a keep score and a merge logit out."""
     def __init__(self, num_features: int = len(RANK_FEATURES), hidden: int = 64):
         super().__init__()
         self.num_features, self.hidden = num_features, hidden

@@ -67,6 +67,7 @@ def regret_table(decisions: Decisions, model: BlockScorer | None) -> dict[str, d
 
 
 def listwise_loss(scores: torch.Tensor, mass: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy between the target's share of ``mass`` and the softmax of ``scores`` over the candidates."""
     target = torch.where(candidates, mass.clamp(min=0), torch.zeros(()))
     target = target / target.sum(dim=-1, keepdim=True).clamp(min=1e-12)
     log_q = torch.log_softmax(scores.masked_fill(~candidates, -1e9), dim=-1)

@@ -83,6 +83,7 @@ TASKS: dict[str, Callable[..., Sample]] = {}
 
 
 def register_task(name: str):
+    """Decorator: register a sample generator under ``name``."""
     def decorator(generator):
         TASKS[name] = generator
         return generator

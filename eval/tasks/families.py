@@ -56,6 +56,7 @@ MAX_NEW_TOKENS = 48  # a UUID takes ~30 tokens
 
 @dataclass(frozen=True)
 class Wording:
+    """How one wording states a fact (the needle), asks for it and opens the answer."""
     needle: str  # over {key}, {attr}, {value}
     question: str  # over {key}, {attr}
     prefix: str  # the answer prefix, over {key}, {attr}

@@ -45,6 +45,7 @@ def fwe_words() -> tuple[str, ...]:
 
 
 def word_counts(num_words: int, vocab_size: int, alpha: float = ALPHA) -> list[int]:
+    """Zipf-distributed counts of ``vocab_size`` words summing to about ``num_words``."""
     z = zeta(alpha)
     return [int(num_words * k ** -alpha / z) for k in range(1, vocab_size + 1)]
 

@@ -29,6 +29,7 @@ QUESTION = "What is the pass key? The pass key is"
 
 @dataclass
 class PasskeySample:
+    """A passkey prompt, its answer and the depth the key sits at."""
     prompt: str
     answer: str
     depth: float

@@ -32,6 +32,7 @@ def encode(tokenizer, text: str, special: bool = True) -> list[int]:
 
 
 def uses_chat(tokenizer, sample, chat: bool) -> bool:
+    """Whether the prompt is wrapped in the chat template (asked for, a template exists, not natural text)."""
     return bool(chat) and sample.metric != "kl" and bool(getattr(tokenizer, "chat_template", None))
 
 

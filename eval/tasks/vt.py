@@ -50,6 +50,7 @@ def make_chain(rng: random.Random, num_hops: int, name_len: int, value: int,
 
 
 def chain_context(n_sentences: int, statements: list[str], fractions: list[float]) -> str:
+    """Noise lines with the variable-assignment statements inserted at the given depths."""
     lines = noise_lines(n_sentences)
     positions = [depth_position(f, len(lines)) for f in fractions]
     return "\n".join(interleave(lines, list(zip(positions, statements, strict=True))))

@@ -39,11 +39,13 @@ def observation_space(num_layers: int, num_candidates: int) -> spaces.Dict:
 
 
 def action_space(num_candidates: int) -> spaces.MultiDiscrete:
+    """The slot env's action space: one operation per candidate slot."""
     return spaces.MultiDiscrete([NUM_OPS] * num_candidates)
 
 
 @dataclass
 class Encoded:
+    """A view encoded for the slot env: the observation, the legal operations and the candidates behind them."""
     observation: dict[str, np.ndarray]
     mask: np.ndarray  # [K, 4] bool; keep always legal
     candidates: list[tuple[int, int]]  # (layer, block) per slot; padded slots are absent

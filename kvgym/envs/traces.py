@@ -238,6 +238,7 @@ def _env_forwards(model, config: CacheConfig, recorder, prompt: list[int], prefi
 
 
 def trace_filename(task: str, length: int, index: int) -> str:
+    """The file name of one sample's trace."""
     return f"{task}_{length}_{index}.pt"
 
 
