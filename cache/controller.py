@@ -54,10 +54,13 @@ class Op(IntEnum):
 
 
 class Decision(NamedTuple):  # a named tuple: a ranking decision creates thousands of them at once
-    """One operation on one block of one layer."""
+    """One operation on one block of one layer; an ``EVICT`` with a ``head`` (>= 0) drops only that KV head's view
+    of the block (``PagedKVCache.drop_head``: the block goes when its last head does)."""
+
     layer: int
     block: int
     op: Op
+    head: int = -1
 
 
 @dataclass
@@ -414,6 +417,8 @@ def _apply_one(cache: PagedKVCache, decision: Decision, counts: dict[str, int]) 
     op = Op(decision.op)
     if op == Op.KEEP:
         cache.check_block(decision.layer, decision.block, "keep")
+    elif op == Op.EVICT and decision.head >= 0:
+        cache.drop_head(decision.layer, decision.block, decision.head)
     elif op == Op.EVICT:
         cache.evict(decision.layer, decision.block)
     elif op == Op.PREFETCH:
@@ -445,6 +450,16 @@ def _first_refusal(cache: PagedKVCache, decisions: list[Decision]) -> int | None
         if tier is None:
             tier = Tier(int(cache.tables.tier[layer, block]))
         free = layer_state["free"]
+        if op == Op.EVICT and decision.head >= 0:  # one KV head's view: the block goes with its last head
+            if tier != Tier.DEVICE or cache.is_pinned(layer, block) or not 0 <= decision.head < cache.num_kv_heads:
+                return index
+            heads = layer_state.setdefault("heads", {}).setdefault(
+                block, set(torch.nonzero(cache.head_dropped[layer, :, block]).flatten().tolist()))
+            if decision.head in heads:
+                return index
+            heads.add(decision.head)
+            if len(heads) < cache.num_kv_heads:
+                continue
         if op in (Op.EVICT, Op.MERGE):
             if tier != Tier.DEVICE or cache.is_pinned(layer, block):
                 return index

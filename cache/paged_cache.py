@@ -23,6 +23,7 @@ in one gather / scatter instead of a Python loop over layers.
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 import tempfile
 import weakref
@@ -368,6 +369,10 @@ class PagedKVCache(Cache):
         self.max_blocks = -(-self.max_tokens // self.block_size)
         self.device_blocks = self.config.device_blocks or self.max_blocks + 1
         self.tables = BlockTables(self.num_layers, self.max_blocks, self.block_size)
+        # per-KV-head drops (``drop_head``): True where a KV head no longer attends a device block
+        self.num_kv_heads = int(getattr(text_config, "num_key_value_heads", None)
+                                or getattr(text_config, "num_attention_heads", 1))
+        self.head_dropped = torch.zeros(self.num_layers, self.num_kv_heads, self.max_blocks, dtype=torch.bool)
         self.stats = BlockStats(self.num_layers, self.max_blocks, self.config.recent_decay,
                                 self.config.attended_share, self.config.track_query_max)
         self.pools: list[dict[Tier, TierPool]] = [{} for _ in range(self.num_layers)]
@@ -628,6 +633,7 @@ class PagedKVCache(Cache):
         """Move a device block to the next tier with room (host, then disk), else drop it; returns where
         it went. Refused (``CacheOperationError``, nothing changed) for pinned or non-device blocks."""
         self._check_evictable(layer, block, "evict")
+        self._restore_heads(layer, block)
         for tier in (Tier.HOST, Tier.DISK):
             pool = self.pools[layer].get(tier)
             if pool is not None and pool.allocator.num_free:
@@ -640,6 +646,50 @@ class PagedKVCache(Cache):
         self._leave_mirror(layer, block)
         self._log("evict", layer, block, tier)
         return tier
+
+    def drop_head(self, layer: int, block: int, head: int) -> Tier:
+        """KV head ``head`` of ``layer`` stops attending ``block``: kvpress's per-head pruning, done as kvpress does
+        it, by masking (the block's tokens get a -inf log weight for that head, the additive attention bias merges
+        use). When the block's last head goes, the block is evicted (``evict``: host, disk or dropped) and its
+        memory freed; until then it stays resident for the other heads, so its memory and the bytes read for it
+        are not saved, while the budget counts only its heads still attending (``device_load``). Returns the
+        block's tier. Refused (``CacheOperationError``) for pinned or non-device blocks and for a head dropped
+        already."""
+        self._check_evictable(layer, block, "drop_head")
+        if not 0 <= head < self.num_kv_heads:
+            raise CacheOperationError(f"drop_head: KV head {head} is out of range 0..{self.num_kv_heads - 1}")
+        dropped = self.head_dropped[layer, :, block]
+        if bool(dropped[head]):
+            raise CacheOperationError(f"drop_head: KV head {head} of layer {layer} already dropped block {block}")
+        if int(dropped.sum()) + 1 == self.num_kv_heads:
+            return self.evict(layer, block)
+        dropped[head] = True
+        pool = self.device_pool(layer)
+        pool.log_weights[int(self.tables.physical[layer, block]), :, head] = float("-inf")
+        pool.has_merged = True
+        self.layers[layer].mirror_stale = True
+        self._log("drop_head", layer, block, Tier.DEVICE)
+        return Tier.DEVICE
+
+    def device_load(self, layer: int) -> float:
+        """The device blocks of ``layer``, each counted by the share of its KV heads still attending it: what a
+        budget bounds (equal to the device block count when no head was dropped)."""
+        blocks = self.tables.count_in(layer, Tier.DEVICE)
+        n = self.tables.num_logical(layer)
+        dropped = self.head_dropped[layer, :, :n]
+        if not bool(dropped.any()):
+            return float(blocks)
+        on_device = self.tables.tier[layer, :n] == Tier.DEVICE
+        return blocks - float((dropped & on_device).sum()) / self.num_kv_heads
+
+    def _restore_heads(self, layer: int, block: int) -> None:
+        """Undo a block's head drops (before it leaves the device: a later prefetch brings it back whole)."""
+        dropped = self.head_dropped[layer, :, block]
+        if bool(dropped.any()):
+            pool = self.device_pool(layer)
+            weights = pool.log_weights[int(self.tables.physical[layer, block])]
+            weights[:, dropped.to(weights.device)] = 0.0
+            dropped.zero_()
 
     def prefetch(self, layer: int, block: int) -> None:
         """Bring a host or disk block back to the device (a bit-exact copy)."""
@@ -1001,6 +1051,7 @@ class PagedKVCache(Cache):
         config = CacheConfig(**{**self.config.__dict__, **config_changes})
         new = PagedKVCache(self.model_config, config)
         new.tables = copy.deepcopy(self.tables)
+        new.head_dropped = self.head_dropped.clone()
         stats = copy.deepcopy(self.stats)
         stats.track_query_max, stats.recent_decay, stats.attended_share = (
             config.track_query_max, config.recent_decay, config.attended_share)
@@ -1068,7 +1119,7 @@ class PagedKVCache(Cache):
                                    "seen": self.tables.seen[layer]})
 
     def enforce_budget(self, budget_blocks: list[int], rule: str = "lowest_mass") -> int:
-        """Evict until every layer has at most ``budget_blocks[layer]`` device blocks; returns evictions made.
+        """Evict until every layer's ``device_load`` is at most ``budget_blocks[layer]``; returns evictions made.
 
         ``rule`` picks the victim among unpinned device blocks: ``lowest_mass`` (lowest accumulated
         attention mass, ties to the oldest), ``heavy_recent`` (H2O's split: the newest ``budget // 2``
@@ -1081,7 +1132,8 @@ class PagedKVCache(Cache):
         n = self.num_logical_blocks()
         order = None
         for layer in range(self.num_layers):
-            excess = self.tables.count_in(layer, Tier.DEVICE) - budget_blocks[layer]
+            load = self.device_load(layer)
+            excess = math.ceil(load - budget_blocks[layer] - 1e-9)
             if excess <= 0:
                 continue
             candidates = self.tables.blocks_in(layer, Tier.DEVICE)
@@ -1090,7 +1142,10 @@ class PagedKVCache(Cache):
                 order = torch.from_numpy(eviction_key(self.stats.acc_mass[:, :n], budget_blocks, rule))
             # stable sort keeps ascending block order among equal keys: oldest first
             candidates = candidates[torch.sort(order[layer, candidates], stable=True).indices]
-            for block in candidates[:excess].tolist():
+            for block in candidates.tolist():  # a block some heads dropped frees less than a whole block
+                if load <= budget_blocks[layer] + 1e-9:
+                    break
+                load -= 1.0 - float(self.head_dropped[layer, :, block].sum()) / self.num_kv_heads
                 self.evict(layer, block)
                 evictions += 1
         return evictions

@@ -432,16 +432,17 @@ class Runner:
             cache.observe_tokens(start, is_sentence_end(token_ids[0].cpu(), self.sentence_end_ids))
 
     @staticmethod
-    def _device_blocks(cache: PagedKVCache) -> list[int]:
-        return [cache.tables.count_in(layer, Tier.DEVICE) for layer in range(cache.num_layers)]
+    def _device_blocks(cache: PagedKVCache) -> list[float]:
+        """Each layer's ``device_load``: its device blocks, a block some KV heads dropped counted by its share."""
+        return [cache.device_load(layer) for layer in range(cache.num_layers)]
 
     def _over_budget(self, cache: PagedKVCache, state: _State) -> bool:
         if state.budget is None:
             return False
         device = self._device_blocks(cache)
         if state.total is not None:
-            return sum(device) > state.total
-        return any(count > limit for count, limit in zip(device, state.budget, strict=True))
+            return sum(device) > state.total + 1e-9
+        return any(count > limit + 1e-9 for count, limit in zip(device, state.budget, strict=True))
 
     def _decision_point(self, state: _State, phase: str) -> None:
         if self.controller is None or state.budget is None:
@@ -456,8 +457,8 @@ class Runner:
             state.ops[name] = state.ops.get(name, 0) + count
         if state.total is not None:
             device = self._device_blocks(cache)
-            if sum(device) <= state.total:
-                state.budget = device  # the controller's allocation
+            if sum(device) <= state.total + 1e-9:
+                state.budget = [math.ceil(load - 1e-9) for load in device]  # the controller's allocation
         state.fallbacks += cache.enforce_budget(state.budget, self.fallback_rule)
 
     def _eos_ids(self) -> set[int]:

@@ -223,9 +223,9 @@ def test_kvzip_keeps_the_blocks_a_reconstruction_query_needs_most(tiny_model, mo
     monkeypatch.setattr(kvzip_module, "reconstruction_mass", lambda view, chunk_size: peaks)
     kvzip_module.forget_reconstructions()  # the same model and prompt as another test: its remembered scores
     view = CacheView.from_cache(cache, [3, 3], phase="compress", model=tiny_model, token_ids=torch.arange(160))
-    controller = KVzip()
+    controller = KVzip(per_head=False)
     assert evicted(controller.decide(view)) == [1, 2, 3, 5, 6, 7, 8]  # the max over heads keeps 4
-    assert evicted(KVzip(aggregation="mean").decide(view)) == [1, 2, 3, 4, 5, 7, 8]  # negative control
+    assert evicted(KVzip(aggregation="mean", per_head=False).decide(view)) == [1, 2, 3, 4, 5, 7, 8]  # negative control
     # later decisions reuse the reconstruction: prompt blocks by score go first, newer blocks after them
     with torch.no_grad():
         for _ in range(2):
@@ -245,16 +245,16 @@ def test_kvzip_prunes_over_all_layers_unless_layerwise(tiny_model, monkeypatch):
     peaks[1, :, 3] = 0.3
     monkeypatch.setattr(kvzip_module, "reconstruction_mass", lambda view, chunk_size: peaks)
     kvzip_module.forget_reconstructions()  # the same model and prompt as another test: its remembered scores
-    assert make_controller("kvzip").budget_scope == "global"
+    assert make_controller("kvzip").budget_scope == "global" and make_controller("kvzip").per_head
     assert make_controller("kvzip:layerwise=true").budget_scope == "layer"
     view = CacheView.from_cache(prefilled(tiny_model), [3, 3], phase="compress", model=tiny_model,
                                 token_ids=torch.arange(160), total_budget=6)
-    decisions = KVzip().decide(view)
+    decisions = KVzip(per_head=False).decide(view)
     assert evicted(decisions, layer=1) == [1, 2, 3, 4, 5, 6, 7, 8]  # layer 1 keeps its pinned 0 and 9
     assert evicted(decisions) == [1, 2, 3, 4, 5, 6]  # layer 0 keeps 0, 9 and two more (ties: the oldest go)
     layer_view = CacheView.from_cache(prefilled(tiny_model), [3, 3], phase="compress", model=tiny_model,
                                       token_ids=torch.arange(160))
-    per_layer = KVzip(layerwise=True).decide(layer_view)
+    per_layer = KVzip(layerwise=True, per_head=False).decide(layer_view)
     assert evicted(per_layer, layer=1) == [1, 2, 4, 5, 6, 7, 8] and len(evicted(per_layer)) == 7
 
 

@@ -350,7 +350,7 @@ def test_a_teacher_scores_the_question_blind_decision_point_it_is_shown(tiny_mod
     assert not torch.allclose(teacher_heads, record["future_heads"])  # reconstruction is not the future
     # KVzip's controller evicts by the same scores: with a budget of 5 blocks per layer the blocks it keeps are the
     # top 3 of the teacher's (besides the sink and the newest block)
-    kvzip = make_controller("kvzip:layerwise=true")
+    kvzip = make_controller("kvzip:layerwise=true,per_head=false")
     compressions = []
 
     def decide(view):

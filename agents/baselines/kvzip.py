@@ -50,6 +50,7 @@ KVzip+ normalisation not offered (kvpress's ``kvzip_plus_normalization``, off by
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agents.baselines.base import AGGREGATIONS, check_choice, evict_lowest, over_heads, prompt_first_priority
-from cache.controller import CacheView, Decision
+from cache.controller import CacheView, Decision, Op
 from cache.paged_cache import CacheConfig, PagedKVCache
 from cache.tiers import Tier
 
@@ -182,6 +183,7 @@ class KVzip:
     chunk_size: int = 2048  # context tokens rebuilt per reconstruction pass (kvpress default)
     aggregation: str = "max"  # over query heads: "max" (kvpress: max over each KV group) or "mean"
     layerwise: bool = False  # kvpress's flag: the same share of every layer instead of the lowest over all layers
+    per_head: bool = True  # kvpress: each KV head keeps its own blocks (by masking); false: one block set per layer
     _scores: torch.Tensor | None = field(default=None, init=False, repr=False)  # [L, P] of the last reconstruction
     _cache: weakref.ref | None = field(default=None, init=False, repr=False)
 
@@ -205,7 +207,36 @@ class KVzip:
         over_budget = bool((view.device_blocks() > view.budget_blocks).any())
         if (view.phase in ("compress", "question") and over_budget and view.model is not None
                 and view.token_ids is not None):
-            self._scores = self.reconstruction_scores(view)
+            mass = _one_shot_mass(view, self.chunk_size)
+            self._scores = over_heads(mass, self.aggregation)
+            if self.per_head:
+                return self._drop_heads(view, mass)
         scores = self._scores if self._scores is not None else torch.zeros(view.num_layers, 0)
         return evict_lowest(view, prompt_first_priority(scores, view.num_blocks),
                             protect=view.first_position < self.n_sink)
+
+    def _drop_heads(self, view: CacheView, mass: torch.Tensor) -> list[Decision]:
+        """kvpress's per-KV-head selection: the lowest (layer, KV head, block) scores lose that head's view of the
+        block (a block goes when all its heads do) until the budget, counted in head shares (``device_load``),
+        holds over all layers (global) or in each layer."""
+        cache = view.cache
+        layers, heads, n = mass.shape
+        kv_heads = cache.num_kv_heads
+        grouped = mass.reshape(layers, kv_heads, heads // kv_heads, n)
+        per_kv = grouped.amax(dim=2) if self.aggregation == "max" else grouped.mean(dim=2)  # [L, KVH, N]
+        candidates = (view.tier == Tier.DEVICE) & ~view.pinned & ~(view.first_position < self.n_sink)[None]
+        candidates = candidates[:, None, :] & ~cache.head_dropped[:, :, :n]
+        load = torch.tensor([cache.device_load(layer) for layer in range(layers)], dtype=torch.float64)
+        keyed = torch.where(candidates, per_kv.double(), torch.tensor(float("inf"), dtype=torch.float64))
+        if view.total_budget is not None:
+            units = math.ceil(kv_heads * (float(load.sum()) - view.total_budget) - 1e-6)
+            order = torch.argsort(keyed.flatten(), stable=True)[: max(units, 0)]
+            chosen = [(index // (kv_heads * n), (index // n) % kv_heads, index % n) for index in order.tolist()]
+        else:
+            chosen = []
+            for layer in range(layers):
+                units = math.ceil(kv_heads * (float(load[layer]) - int(view.budget_blocks[layer])) - 1e-6)
+                order = torch.argsort(keyed[layer].flatten(), stable=True)[: max(units, 0)]
+                chosen += [(layer, index // n, index % n) for index in order.tolist()]
+        return [Decision(layer, block, Op.EVICT, head) for layer, head, block in chosen
+                if bool(candidates[layer, head, block])]
