@@ -42,9 +42,16 @@ Cost: one forward of (instruction + every token seen) over a copy of the cache, 
 reconstruction query recorded (about as much again as the forward's own attention); see the report of issue 12
 for the measured time on SmolLM2-135M at 2k tokens.
 
-Deviations: blocks of 16 tokens (``--block-size 1`` gives kvpress's tokens); one block set per layer for all KV
-heads (kvpress selects per KV head: measured in ``results/kvpress_peer/``, it matters at high compression);
-KVzip+ normalisation not offered (kvpress's ``kvzip_plus_normalization``, off by default).
+Per KV head (``per_head``, default true, as kvpress): at the reconstruction's decision each KV head keeps its own
+blocks: a (layer, KV head, block) is scored by the largest mass over the head's query group, and the lowest lose
+that head's view of the block (``PagedKVCache.drop_head``: masked, as kvpress masks keys; a block goes, and its
+memory with it, when its last head does) until the budget, counted in head shares, holds. Later decisions evict
+whole blocks. ``per_head=false``: one block set per layer (the max over all the layer's query heads). Measured on
+held-out families (``results/kvpress_peer/``): per-head selection and global pruning each matter, most at 8×.
+
+Deviations: blocks of 16 tokens (``--block-size 1`` gives kvpress's tokens); a partly kept block costs its whole
+memory and bandwidth until its last head drops it (kvpress's masking saves neither either); KVzip+ normalisation not
+offered (kvpress's ``kvzip_plus_normalization``, off by default).
 """
 
 from __future__ import annotations
