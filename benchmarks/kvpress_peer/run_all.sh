@@ -21,11 +21,16 @@ $KVPRESS benchmarks/kvpress_peer/run_kvpress.py $D/prompts.json $D/kvpress_resul
 COMMON=(--tasks-file $D/families_heldout_2k.jsonl --block-size 1 --no-chat --no-plots --seed 11)
 kvgym eval "${COMMON[@]}" --protocol oneshot-question --budgets 0.25 --out $D/kvgym_oneshot_question \
   --controllers tova,knorm,keydiff,snapkv:kernel_size=5,pooling=avgpool,expected_attention,streamingllm
-# KVzip: global over layers (kvpress's default, now kvgym's) and the same share per layer
+# KVzip: kvpress's rule (global over layers, per KV head; kvgym's default since 2026-12-06) and the two rules it
+# replaced (run before per-head selection existed, as `kvzip` and `kvzip:layerwise=true`; relabelled to these specs)
 kvgym eval "${COMMON[@]}" --protocol oneshot-question --budgets 0.25,0.125 \
-  --controllers kvzip,kvzip:layerwise=true --out $D/kvgym_oneshot_question
+  --controllers kvzip:per_head=false,kvzip:layerwise=true,per_head=false --out $D/kvgym_oneshot_question
+kvgym eval "${COMMON[@]}" --protocol oneshot-question --budgets 0.25,0.125 --controllers kvzip \
+  --out $D/kvgym_oneshot_question_per_head
+
 # the question-blind protocol (kvpress compresses the context alone)
 kvgym eval "${COMMON[@]}" --protocol oneshot --budgets 0.25 --out $D/kvgym_oneshot \
-  --controllers kvzip,kvzip:layerwise=true,tova,knorm,keydiff,snapkv:kernel_size=5,pooling=avgpool,expected_attention,streamingllm
+  --controllers kvzip,kvzip:per_head=false,tova,knorm,keydiff,snapkv:kernel_size=5,pooling=avgpool,expected_attention,streamingllm
 
-python benchmarks/kvpress_peer/summarize.py $D --pair kvzip=kvzip_shared --pair kvzip:layerwise=true=kvzip_layerwise_shared
+python benchmarks/kvpress_peer/summarize.py $D --pair kvzip:per_head=false=kvzip_shared \
+  --pair kvzip:layerwise=true,per_head=false=kvzip_layerwise_shared

@@ -16,10 +16,11 @@ from eval.peer import compare, markdown
 from eval.report import bootstrap_interval, read_jsonl, wilson_interval
 
 VARIANTS = ("kvzip", "kvzip_shared", "kvzip_layerwise", "kvzip_layerwise_shared")
-DESCRIBED = {"kvzip": "kvpress as shipped: global over layers, per KV head",
-             "kvzip_shared": "global over layers, one token set per layer",
-             "kvzip_layerwise": "same share per layer, per KV head",
-             "kvzip_layerwise_shared": "same share per layer, one token set per layer (kvgym's rule, layer scope)"}
+DESCRIBED = {"kvzip": "kvpress as shipped: global over layers, per KV head (kvgym's kvzip since 2026-12-06)",
+             "kvzip_shared": "global over layers, one token set per layer (kvgym: kvzip:per_head=false)",
+             "kvzip_layerwise": "same share per layer, per KV head (kvgym: kvzip:layerwise=true)",
+             "kvzip_layerwise_shared": "same share per layer, one token set per layer (kvgym's kvzip before "
+                                       "2026-12-06)"}
 
 
 def kvzip_ablation(rows: list[dict]) -> list[dict]:
