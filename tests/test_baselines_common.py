@@ -12,31 +12,38 @@ from cache.tiers import Tier
 
 
 class Checked:
-    """Wraps a controller: checks each decision list is legal and brings every layer within budget."""
+    """Wraps a controller: checks each decision list is legal and brings every layer (or, under a global budget,
+    all layers together) within budget; a decision for one KV head counts that head's share of the block."""
 
     def __init__(self, inner):
         self.inner = inner
         self.calls = 0
         self.full_cache = getattr(inner, "full_cache", False)
+        self.budget_scope = getattr(inner, "budget_scope", None)  # the runner asks the controller
         if hasattr(inner, "layer_budgets"):  # the runner splits the budget with the controller's own schedule
             self.layer_budgets = inner.layer_budgets
 
     def decide(self, view: CacheView):
         decisions = self.inner.decide(view)
         self.calls += 1
-        device = (view.tier == Tier.DEVICE).sum(dim=1).clone()
+        cache = view.cache
+        device = torch.tensor([cache.device_load(layer) for layer in range(view.num_layers)], dtype=torch.float64)
         legal = view.legal_ops
         seen = set()
         for decision in decisions:
-            key = (decision.layer, decision.block)
-            assert key not in seen, f"two decisions for {key}"
+            key = (decision.layer, decision.block, decision.head)
+            assert key not in seen and (decision.layer, decision.block, -1) not in seen, f"two decisions for {key}"
             seen.add(key)
             assert legal[decision.layer, decision.block, decision.op], f"illegal {decision}"
+            share = 1.0 / cache.num_kv_heads if decision.head >= 0 else 1.0
             if decision.op in (Op.EVICT, Op.MERGE):
-                device[decision.layer] -= 1
+                device[decision.layer] -= share
             elif decision.op == Op.PREFETCH:
                 device[decision.layer] += 1
-        assert torch.all(device <= view.budget_blocks), f"over budget after decisions: {device} > {view.budget_blocks}"
+        if view.total_budget is not None:
+            assert device.sum() <= view.total_budget + 1e-6, f"over budget: {device.sum()} > {view.total_budget}"
+        else:
+            assert torch.all(device <= view.budget_blocks + 1e-6), f"over budget: {device} > {view.budget_blocks}"
         return decisions
 
 
