@@ -8,7 +8,6 @@ from agents.registry import BASELINES, make_controller, parse_spec
 from cache.controller import CacheView, Op
 from cache.paged_cache import CacheConfig
 from cache.runner import Prompt, Runner
-from cache.tiers import Tier
 
 
 class Checked:
