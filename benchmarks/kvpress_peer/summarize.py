@@ -3,7 +3,7 @@ beside its kvpress counterpart on the same samples.
 
     python benchmarks/kvpress_peer/summarize.py results/kvpress_peer/families_heldout_2k \
         [--pair kvzip=kvzip_layerwise_shared ...]
-reads FOLDER/kvpress_results.jsonl and every FOLDER/kvgym_*/samples.jsonl; writes FOLDER/summary.md and
+reads FOLDER/kvpress_results.jsonl and every FOLDER/kvgym_*/samples.jsonl (or their .gz); writes FOLDER/summary.md and
 FOLDER/summary.json.
 """
 
@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from eval.peer import compare, markdown
-from eval.report import bootstrap_interval, read_jsonl, wilson_interval
+from eval.report import bootstrap_interval, read_jsonl, records_file, wilson_interval
 
 VARIANTS = ("kvzip", "kvzip_shared", "kvzip_layerwise", "kvzip_layerwise_shared")
 DESCRIBED = {"kvzip": "kvpress as shipped: global over layers, per KV head (kvgym's kvzip since 2026-12-06)",
@@ -67,7 +67,8 @@ def main():
                      f"({r['vs_shipped_low']:+.2f}..{r['vs_shipped_high']:+.2f}) |")
     pairs = dict(item.rsplit("=", 1) for item in args.pair)
     agreement = {}
-    for samples in sorted(args.folder.glob("kvgym_*/samples.jsonl")):
+    for folder in sorted(path for path in args.folder.glob("kvgym_*") if path.is_dir()):
+        samples = records_file(folder / "samples.jsonl")  # committed compressed
         rows = compare(samples, peer)
         agreement[samples.parent.name] = rows
         lines += ["", f"## kvgym ({samples.parent.name}) beside kvpress's press of the same name", "", markdown(rows)]
