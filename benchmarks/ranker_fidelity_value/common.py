@@ -14,7 +14,7 @@ from agents.ranker.model import load_ranker
 from cache.attention import PAGED_ATTENTION, paged_attention_forward
 from cache.paged_cache import CacheConfig
 from cache.runner import Runner
-from eval.ranking_fidelity import FEATURE_POLICIES, feature_score, random_score
+from eval.ranking_fidelity import FEATURE_POLICIES, feature_score, fidelity_summary, random_score
 from eval.tasks import generate
 from eval.tasks.prompt import build_prompt
 from kvgym.envs.decisions import LiveDecision, decision_point
@@ -86,3 +86,16 @@ def block_terms(q, k, v, context, num_blocks):
     mass = p.sum(-1)
     c = torch.einsum("hqnt,hntd->hqnd", p, vb) - mass[..., None] * o[:, :, None, :]
     return s, probs, vv, o, mass, c
+
+
+def spearman_summary(rows: list[dict], measures) -> dict:
+    """Per measure, the replay-vs-live Spearman over episodes (mean, min, episodes >= 0.8), printed as it goes."""
+    summary = {}
+    for m in measures:
+        table = fidelity_summary(rows, m)
+        above = sum(e["spearman"] >= 0.8 for e in table["episodes"])
+        summary[m] = {"mean": table["mean_spearman"], "min": table["min_spearman"], "n_ge_0.8": above,
+                      "episodes": len(table["episodes"])}
+        print(f"{m:14s} mean {table['mean_spearman']:.3f} min {table['min_spearman']:.2f} "
+              f">=0.8 {above}/{len(table['episodes'])}")
+    return summary

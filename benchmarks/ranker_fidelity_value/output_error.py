@@ -37,11 +37,17 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
-from common import block_terms, capturing_qkv, decision_points, fidelity_policies, load_fidelity
+from common import (
+    block_terms,
+    capturing_qkv,
+    decision_points,
+    fidelity_policies,
+    load_fidelity,
+    spearman_summary,
+)
 
 from cache.models import load_model
 from cache.ranking import RANK_FEATURES
-from eval.ranking_fidelity import fidelity_summary
 from kvgym.envs.decisions import Decisions
 
 source, n = sys.argv[1], int(sys.argv[2])
@@ -123,13 +129,7 @@ for sample_name, shared, record, decision in decision_points(data, n, model, tok
     print(sample_name, flush=True)
 
 metrics = ["replay_regret", "out_rel", "proj_rel", "proj_abs", "lost", "contrib", "contrib_max", *LINEAR]
-summary = {}
-for m in metrics:
-    table = fidelity_summary(rows, m)
-    above = sum(e["spearman"] >= 0.8 for e in table["episodes"])
-    summary[m] = {"mean": table["mean_spearman"], "min": table["min_spearman"], "n_ge_0.8": above,
-                  "episodes": len(table["episodes"])}
-    print(f"{m:14s} mean {table['mean_spearman']:.3f} min {table['min_spearman']:.2f} >=0.8 {above}/{len(table['episodes'])}")
+summary = spearman_summary(rows, metrics)
 out = os.path.join(os.path.dirname(source), f"output_sketch{SKETCH}_seed{data['seed']}.json")
 json.dump({"source": source, "summary": summary, "rows": rows}, open(out, "w"))
 print("wrote", out)

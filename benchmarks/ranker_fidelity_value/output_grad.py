@@ -24,11 +24,17 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
-from common import block_terms, capturing_qkv, decision_points, fidelity_policies, load_fidelity
+from common import (
+    block_terms,
+    capturing_qkv,
+    decision_points,
+    fidelity_policies,
+    load_fidelity,
+    spearman_summary,
+)
 
 from cache.models import load_model
 from cache.ranking import RANK_FEATURES
-from eval.ranking_fidelity import fidelity_summary
 from kvgym.envs.decisions import Decisions
 
 source, n = sys.argv[1], int(sys.argv[2])
@@ -96,13 +102,7 @@ for sample_name, shared, record, decision in decision_points(data, n, model, tok
                          "answer": float(0.5 * per_layer[..., 0].sum(0).pow(2).mean())})
     print(sample_name, flush=True)
 
-summary = {}
-for m in ("replay_regret", "fisher", "fisher_layers", "answer"):
-    table = fidelity_summary(rows, m)
-    above = sum(e["spearman"] >= 0.8 for e in table["episodes"])
-    summary[m] = {"mean": table["mean_spearman"], "min": table["min_spearman"], "n_ge_0.8": above,
-                  "episodes": len(table["episodes"])}
-    print(f"{m:14s} mean {table['mean_spearman']:.3f} min {table['min_spearman']:.2f} >=0.8 {above}/{len(table['episodes'])}")
+summary = spearman_summary(rows, ("replay_regret", "fisher", "fisher_layers", "answer"))
 out = os.path.join(os.path.dirname(source), f"output_grad_top{TOP}_seed{data['seed']}.json")
 json.dump({"source": source, "top": TOP, "summary": summary, "rows": rows}, open(out, "w"))
 print("wrote", out)
