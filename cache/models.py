@@ -275,6 +275,17 @@ class LoadedModel:
         return int(self.model.config.max_position_embeddings)
 
 
+def model_with_tokenizer(model, tokenizer=None) -> tuple[torch.nn.Module, object]:
+    """An env's model argument: a name is loaded (``load_model``, its tokenizer with it); a model object needs the
+    tokenizer passed beside it (task prompts are built with it)."""
+    if isinstance(model, str):
+        loaded = load_model(model)
+        model, tokenizer = loaded.model, loaded.tokenizer
+    if tokenizer is None:
+        raise ValueError("tokenizer: a tokenizer is needed to build task prompts (pass one with the model)")
+    return model, tokenizer
+
+
 def load_model(name: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | None = None) -> LoadedModel:
     """Load a Llama-family causal LM and its tokenizer, wired for kvgym's paged attention.
 

@@ -40,6 +40,7 @@ import torch
 from gymnasium import spaces
 
 from cache.controller import PHASES, CacheView
+from cache.models import model_with_tokenizer
 from cache.paged_cache import CacheConfig
 from cache.ranking import NUM_RANK_FEATURES, RANK_FEATURES, keep_top, policy_features
 from cache.runner import BUDGET_SCOPES, PROTOCOLS, Runner
@@ -138,13 +139,7 @@ class KVCacheEnv(gym.Env):
                 raise ValueError(f"{name} {value!r}: must be a finite number >= 0")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r}: use one of {self.metadata['render_modes']}")
-        if isinstance(model, str):
-            from cache.models import load_model
-
-            loaded = load_model(model)
-            model, tokenizer = loaded.model, loaded.tokenizer
-        if tokenizer is None:
-            raise ValueError("tokenizer: a tokenizer is needed to build task prompts (pass one with the model)")
+        model, tokenizer = model_with_tokenizer(model, tokenizer)
         self.model, self.tokenizer, self.chat, self.render_mode = model, tokenizer, chat, render_mode
         self.tasks, self.lengths, self.protocol, self.budget_range = tasks, lengths, protocol, (low, high)
         self.budget_scope = budget_scope

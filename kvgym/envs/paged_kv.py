@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from cache.controller import CacheView, Op, apply_decisions
+from cache.models import model_with_tokenizer
 from cache.paged_cache import CacheConfig, PagedKVCache
 from cache.runner import budget_blocks
 from cache.tiers import Tier
@@ -165,13 +166,7 @@ class PagedKVCacheEnv(gym.Env):
             raise ValueError(f"budget_range {budget_range!r}: need 0 < low <= high <= 1")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r}: use one of {self.metadata['render_modes']}")
-        if isinstance(model, str):
-            from cache.models import load_model
-
-            loaded = load_model(model)
-            model, tokenizer = loaded.model, loaded.tokenizer
-        if tokenizer is None:
-            raise ValueError("tokenizer: a tokenizer is needed to build task prompts (pass one with the model)")
+        model, tokenizer = model_with_tokenizer(model, tokenizer)
         self.generators = generators
         self.model, self.tokenizer = model, tokenizer
         self.tasks, self.lengths, self.budget_range = list(tasks), list(lengths), (low, high)
