@@ -12,8 +12,6 @@ without it a local Ray is started with one worker per CPU.
 
 from __future__ import annotations
 
-import os
-
 
 class EvalWorker:
     """One model and one ``_Context``; ``run(item, seed, keys)`` → the sample's ``(key, record)`` list."""
@@ -31,9 +29,6 @@ class EvalWorker:
                                 settings["protocol"], settings["decode_budget"], settings["share_prefill"],
                                 settings["budget_scope"])
         self.generators: dict = {}
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def run(self, item, seed: int, keys: list[tuple]) -> list[tuple[tuple, dict]]:
         from eval.harness import _make_sample, sample_records, task_generator
@@ -61,7 +56,6 @@ def run_on_ray(ray_settings: dict, settings: dict, pending: list[tuple]):
     worker = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=-1)(EvalWorker)
     actors = [worker.remote(ray_settings["model"], ray_settings.get("device", "cpu"), ray_settings.get("dtype"),
                             settings, threads) for _ in range(count)]
-    ray_settings["actors"] = actors  # for tests and callers that watch the workers
     pool = ActorPool(actors)
     try:
         for records in pool.map_unordered(lambda actor, job: actor.run.remote(*job), pending):
