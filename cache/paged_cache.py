@@ -373,6 +373,7 @@ class PagedKVCache(Cache):
         self.num_kv_heads = int(getattr(text_config, "num_key_value_heads", None)
                                 or getattr(text_config, "num_attention_heads", 1))
         self.head_dropped = torch.zeros(self.num_layers, self.num_kv_heads, self.max_blocks, dtype=torch.bool)
+        self.any_head_dropped = False  # until the first drop, device_load is the block count (the decode hot path)
         self.stats = BlockStats(self.num_layers, self.max_blocks, self.config.recent_decay,
                                 self.config.attended_share, self.config.track_query_max)
         self.pools: list[dict[Tier, TierPool]] = [{} for _ in range(self.num_layers)]
@@ -664,6 +665,7 @@ class PagedKVCache(Cache):
         if int(dropped.sum()) + 1 == self.num_kv_heads:
             return self.evict(layer, block)
         dropped[head] = True
+        self.any_head_dropped = True
         pool = self.device_pool(layer)
         pool.log_weights[int(self.tables.physical[layer, block]), :, head] = float("-inf")
         pool.has_merged = True
@@ -675,6 +677,8 @@ class PagedKVCache(Cache):
         """The device blocks of ``layer``, each counted by the share of its KV heads still attending it: what a
         budget bounds (equal to the device block count when no head was dropped)."""
         blocks = self.tables.count_in(layer, Tier.DEVICE)
+        if not self.any_head_dropped:
+            return float(blocks)
         n = self.tables.num_logical(layer)
         dropped = self.head_dropped[layer, :, :n]
         if not bool(dropped.any()):
@@ -1051,7 +1055,7 @@ class PagedKVCache(Cache):
         config = CacheConfig(**{**self.config.__dict__, **config_changes})
         new = PagedKVCache(self.model_config, config)
         new.tables = copy.deepcopy(self.tables)
-        new.head_dropped = self.head_dropped.clone()
+        new.head_dropped, new.any_head_dropped = self.head_dropped.clone(), self.any_head_dropped
         stats = copy.deepcopy(self.stats)
         stats.track_query_max, stats.recent_decay, stats.attended_share = (
             config.track_query_max, config.recent_decay, config.attended_share)
