@@ -235,15 +235,13 @@ class KVzip:
         candidates = candidates[:, None, :] & ~cache.head_dropped[:, :, :n]
         load = torch.tensor([cache.device_load(layer) for layer in range(layers)], dtype=torch.float64)
         keyed = torch.where(candidates, per_kv.double(), torch.tensor(float("inf"), dtype=torch.float64))
-        if view.total_budget is not None:
-            units = math.ceil(kv_heads * (float(load.sum()) - view.total_budget) - 1e-6)
-            order = torch.argsort(keyed.flatten(), stable=True)[: max(units, 0)]
-            chosen = [(index // (kv_heads * n), (index // n) % kv_heads, index % n) for index in order.tolist()]
-        else:
-            chosen = []
-            for layer in range(layers):
-                units = math.ceil(kv_heads * (float(load[layer]) - int(view.budget_blocks[layer])) - 1e-6)
-                order = torch.argsort(keyed[layer].flatten(), stable=True)[: max(units, 0)]
-                chosen += [(layer, index // n, index % n) for index in order.tolist()]
+        # one pool of (layer, head, block) candidates under a global budget, one per layer otherwise
+        pools = ([(list(range(layers)), view.total_budget)] if view.total_budget is not None
+                 else [([layer], int(view.budget_blocks[layer])) for layer in range(layers)])
+        chosen = []
+        for members, budget in pools:
+            units = math.ceil(kv_heads * (float(load[members].sum()) - budget) - 1e-6)
+            order = torch.argsort(keyed[members].flatten(), stable=True)[: max(units, 0)]
+            chosen += [(members[index // (kv_heads * n)], (index // n) % kv_heads, index % n) for index in order.tolist()]
         return [Decision(layer, block, Op.EVICT, head) for layer, head, block in chosen
                 if bool(candidates[layer, head, block])]
