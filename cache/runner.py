@@ -33,8 +33,8 @@ At each decision point the controller decides, its decisions are applied, then t
 layer's budget with its fallback rule; the evictions that rule had to make are counted as fallbacks.
 
 Budget scope (``budget_scope``; None: the controller's ``budget_scope`` attribute, else ``layer``): ``layer``
-gives every layer its own budget; ``global`` (kvpress's ``layerwise=False``) holds only the total over layers: the controller sees it as ``CacheView.total_budget``
-and decides how many blocks each layer keeps. After each decision that leaves the total within it, each
+gives every layer its own budget; ``global`` (kvpress's ``layerwise=False``) holds only the total over layers:
+the controller sees it as ``CacheView.total_budget`` and decides how many blocks each layer keeps. After each decision that leaves the total within it, each
 layer's device blocks become its allocation (``CacheView.budget_blocks`` at the next decision, what the
 fallback enforces when a later decision leaves the total over).
 One-shot runs can share their dense prefill across controllers and budgets (``Runner.dense_prefill``,

@@ -536,8 +536,8 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
     ``controllers`` are registry specs (a list, or one comma-separated string), ``budgets`` fractions in
     (0, 1] of each sample's context, ``tasks`` registered task names (``None``: only ``tasks_file`` /
     ``dataset``), ``lengths`` target prompt lengths in tokens, ``n`` samples per task and length (and the
-    most samples taken from a dataset). ``ray`` (``eval.ray_eval.RaySettings`` as a dict: address, workers, the
-    model name, device and dtype each worker loads) sends each sample's runs to a Ray cluster instead.
+    most samples taken from a dataset). ``ray`` (a dict: ``address``, ``workers``, and the ``model`` name,
+    ``device`` and ``dtype`` each worker loads; ``eval.ray_eval``) sends each sample's runs to a Ray cluster instead.
     """
     from tqdm import tqdm
 

@@ -24,10 +24,7 @@ class EvalWorker:
 
         torch.set_num_threads(threads)
         loaded = load_model(model, device=device, dtype=dtype)
-        self.context = _Context(loaded.model, loaded.tokenizer, settings["chat"], settings["host_blocks"],
-                                settings["block_size"], settings["prefill_chunk"], settings["decide_every"],
-                                settings["protocol"], settings["decode_budget"], settings["share_prefill"],
-                                settings["budget_scope"])
+        self.context = _Context(loaded.model, loaded.tokenizer, **settings)  # the driver's run settings
         self.generators: dict = {}
 
     def run(self, item, seed: int, keys: list[tuple]) -> list[tuple[tuple, dict]]:
