@@ -1,9 +1,8 @@
 """What every policy file of kvgym shares: one error for a file that cannot be used, the checksum of its
 weights, and an atomic write (a kill leaves the old file or the new one, never half of it).
 
-The formats themselves stay with their policies: the ranker's torch file and its PPO zip in
-``agents.ranker``, the slot policy's zip in ``agents.ppo.controller``. Both zips are SB3's ``model.save`` plus
-one JSON entry (``save_sb3_zip``)."""
+The formats themselves stay with the policy (``agents.ranker``): the ranker's torch file, and its PPO zip,
+SB3's ``model.save`` plus one JSON entry (``save_sb3_zip``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Controllers by name, with parameters from ``configs/controllers/<name>.yaml`` and command-line overrides.
 
 A spec is ``name`` or ``name:key=value,key=value`` (values parsed as YAML: ``0.98``, ``true``, ``[1, 2]``); a
-controller with a ``positional_parameter`` takes a bare first value for it (``ppo:policies/ppo_slots_smollm2.zip``).
+controller with a ``positional_parameter`` takes a bare first value for it (``ranker:policies/ranker_smollm2.pt``).
 The same specs serve the CLI (``--controller h2o:recent_tokens=128``), the environment and the evaluation.
 Every parameter, from the YAML defaults or the spec, is checked against the type its dataclass field declares
 before the controller is built (``check_parameter``): a wrong one is a ``ValueError`` naming the controller,
@@ -40,12 +40,11 @@ CONTROLLERS: dict[str, str] = {
     "pyramidkv": "agents.baselines.pyramidkv:PyramidKV",
     "observed_attention": "agents.baselines.observed_attention:ObservedAttention",
     "oracle": "agents.baselines.oracle:Oracle",
-    "ppo": "agents.ppo.controller:PPOController",
     "ranker": "agents.ranker.controller:RankerController",
 }
 
 
-LEARNED = {"ppo", "ranker"}  # controllers loaded from a trained file (the rest are the baselines)
+LEARNED = {"ranker"}  # controllers loaded from a trained file (the rest are the baselines)
 BASELINES = sorted(set(CONTROLLERS) - LEARNED)
 
 POSITIONAL = "<positional>"  # parse_spec's key for a bare first value
@@ -157,7 +156,7 @@ def resolved_parameters(spec: str, table: dict[str, str] = CONTROLLERS) -> dict:
 
 def make_controller(spec: str, table: dict[str, str] = CONTROLLERS):
     """Build a controller from a spec; YAML defaults first, then the spec's overrides. ``table``: where names are
-    looked up (``agents.scripted.SCRIPTED`` builds the scripted replay policies with the same grammar)."""
+    looked up (default: the controllers)."""
     name, overrides = parse_spec(spec)
     cls = controller_class(name, table)
     names = ([field.name for field in dataclasses.fields(cls) if field.init and not field.name.startswith("_")]

@@ -3,7 +3,7 @@
 ``TraceRecorder`` is a controller that records ``view.last_mass`` after every forward pass and evicts nothing;
 ``record_trace`` runs it with the runner over a prompt and its greedy continuation; ``AttentionTrace`` holds the
 result and answers "how much attention does each block still get after this point" (``future_mass``). The oracle
-baseline (``agents.baselines.oracle``) and the replay env's traces (``kvgym.envs.traces``) are built on it.
+baseline (``agents.baselines.oracle``) is built on it.
 """
 
 from __future__ import annotations

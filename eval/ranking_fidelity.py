@@ -17,7 +17,9 @@ times the blocks' value norms, ``kvgym.envs.decisions.target_heads``).
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -26,8 +28,31 @@ from cache.controller import CacheView, Decision
 from cache.paged_cache import CacheConfig
 from cache.ranking import RANK_FEATURES, block_features, keep_top
 from cache.runner import Runner
-from eval.replay_compare import spearman
 from kvgym.envs.decisions import Decisions, LiveDecision, decision_point
+
+
+def rankdata(values: Sequence[float]) -> np.ndarray:
+    """Ranks from 1, ties get their average rank (``scipy.stats.rankdata``'s default)."""
+    values = np.asarray(values, dtype=np.float64)
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    starts = np.cumsum(counts) - counts
+    return (starts + (counts + 1) / 2.0)[inverse]
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson's correlation of ``x`` and ``y`` (NaN for fewer than two points or a constant side)."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if len(x) < 2:
+        return float("nan")
+    x, y = x - x.mean(), y - y.mean()
+    denominator = math.sqrt(float((x * x).sum() * (y * y).sum()))
+    return float((x * y).sum() / denominator) if denominator > 0 else float("nan")
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation (Pearson on average ranks); NaN when either side is constant."""
+    return pearson(rankdata(x), rankdata(y))
+
 
 # each replay target of Decisions and the row column its regret goes in
 REPLAY_TARGETS = {"future": "replay_regret", "future_value": "replay_regret_future_value"}

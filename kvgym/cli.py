@@ -8,12 +8,9 @@ Subcommands:
   kvgym bench ops [options]        operation times, CacheView cost, budgeted (evict / merge) vs full decode (JSON)
   kvgym bench roofline [options]   memory bandwidth and decode time as a fraction of the byte floor (JSON)
   kvgym eval [options]             tasks × lengths × controllers × budgets vs the full cache (JSONL, CSV, MD, PNG)
-  kvgym traces build [options]     full-cache attention traces of task samples for the replay env (.pt + index.json)
-  kvgym traces compare [options]   mean replay returns of policies (baselines, scripted, ppo:PATH) per budget (JSON)
-  kvgym train --config C [k=v ...] MaskablePPO on the replay env, live evaluation, TensorBoard, checkpoints (--resume)
-  kvgym bench env [options]        env steps/s (live single/batched, replay) and replay-live correlation (JSON)
-  kvgym bench policy [options]     time per decision of a trained policy (direct path vs SB3 predict) (JSON)
-  kvgym bench ranker [options]     ranking policy: ms per decision scoring every block, replay env steps/s (JSON)
+  kvgym train --config C [k=v ...] the ranking policy from a config: decision points, imitation, policy gradient,
+                                   PPO; TensorBoard, checkpoints (--resume); writes runs/<name>/policy.pt
+  kvgym bench policy [options]     ranking policy: ms per decision scoring every block, replay env steps/s (JSON)
   kvgym bench eval [options]       evaluation runs per hour with and without shared dense prefills (JSON)
   kvgym ranker collect|train|live-train|regret|live-compare|fidelity  ranking policy: decision points, training
                                    (oracle / live KL), held-out regret or live KL, replay vs live
@@ -143,18 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cache.add_argument("--prefill-repeats", type=int, default=3)
     bench_cache.add_argument("--json", type=Path, required=True, help="where to write the results")
 
-    bench_policy = bench_kinds.add_parser("policy", help="time per decision of a trained policy (K = 32: <= 1 ms)")
-    bench_policy.add_argument("--policy", type=Path, default=None,
-                              help="a policy file (default: an untrained policy of --layers x --candidates)")
-    bench_policy.add_argument("--layers", type=int, default=30, help="layers of the untrained policy (SmolLM2: 30)")
-    bench_policy.add_argument("--candidates", type=int, default=32, help="K of the untrained policy")
-    bench_policy.add_argument("--repeats", type=int, default=300)
-    bench_policy.add_argument("--model", default=None,
-                              help="also time decide() on this model's live cache view (e.g. smollm2-135m)")
-    bench_policy.add_argument("--json", type=Path, required=True, help="where to write the results")
-
     bench_ranker = bench_kinds.add_parser(
-        "ranker", help="ranking policy: ms per decision scoring every block (<= 1 ms), replay env steps/s (>= 2000)")
+        "policy", help="ranking policy: ms per decision scoring every block (<= 1 ms), replay env steps/s (>= 2000)")
     bench_ranker.add_argument("--model", default="smollm2-135m", help="the model whose cache is scored")
     bench_ranker.add_argument("--policy", type=Path, default=Path("policies/ranker_smollm2.pt"))
     bench_ranker.add_argument("--context", type=int, default=2048)
@@ -163,16 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
                               help="a `kvgym ranker collect` folder: also time the replay env over all of it")
     bench_ranker.add_argument("--replay-steps", type=int, default=20000)
     bench_ranker.add_argument("--json", type=Path, required=True, help="where to write the results")
-
-    bench_env = bench_kinds.add_parser("env", help="env steps/s: live single and batched, replay; replay-live correlation")
-    bench_env.add_argument("--model", default="smollm2-135m", help="the real model (or 'none': the tiny model only)")
-    bench_env.add_argument("--num-envs", type=parse_int_list, default=[4, 8], help="batched env sizes")
-    bench_env.add_argument("--live-steps", type=int, default=40,
-                           help="live steps per env and measurement (x4 on the tiny model)")
-    bench_env.add_argument("--replay-steps", type=int, default=3000)
-    bench_env.add_argument("--traces", type=Path, default=None, help="replay traces (default: build one here)")
-    bench_env.add_argument("--correlation-episodes", type=int, default=3, help="0 skips the correlation")
-    bench_env.add_argument("--json", type=Path, required=True, help="where to write the results")
 
     bandwidth = commands.add_parser("bandwidth", help="attention bytes per call vs context: full cache vs a budget")
     _add_model_args(bandwidth)
@@ -265,34 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--out", type=Path, required=True,
                             help="folder for samples.jsonl, summary.csv/.md and the plots (reruns resume)")
 
-    traces = commands.add_parser("traces", help="full-cache attention traces for the replay env")
-    trace_kinds = traces.add_subparsers(dest="traces", required=True)
-    traces_build = trace_kinds.add_parser("build", help="record task samples' full-cache traces (.pt + index.json)")
-    _add_model_args(traces_build)
-    traces_build.add_argument("--tasks", default="passkey,niah_single", help="comma-separated task names")
-    traces_build.add_argument("--lengths", type=parse_int_list, default=[1024, 2048],
-                              help="comma-separated target prompt lengths in tokens")
-    traces_build.add_argument("--n", type=int, default=10, help="samples per task and length")
-    traces_build.add_argument("--seed", type=int, default=0, help="draws the samples")
-    traces_build.add_argument("--prefill-chunk", type=int, default=64,
-                              help="tokens per prefill forward (the replay env's prefill_chunk must be a multiple)")
-    traces_build.add_argument("--max-new-tokens", type=int, default=None, help="default: each sample's own")
-    traces_build.add_argument("--chat", action="store_true", help="wrap the prompts in the chat template")
-    traces_compare = trace_kinds.add_parser("compare", help="mean replay returns of policies on every trace x budget")
-    traces_compare.add_argument("--dir", type=Path, required=True, help="a trace folder from `kvgym traces build`")
-    traces_compare.add_argument("--policies", default="fallback,h2o,merge:mass",
-                                help="replay policy specs (agents.scripted): fallback, lru, h2o, evict:mass, merge:mass,extra=1, ppo:PATH, ...")
-    traces_compare.add_argument("--budgets", default="0.125,0.25,0.5")
-    traces_compare.add_argument("--json", type=Path, required=True)
-    traces_build.add_argument("--out", type=Path, required=True,
-                              help="folder for <task>_<length>_<index>.pt and index.json (reruns resume)")
-    train = commands.add_parser("train", help="train a PPO cache policy (replay env, live evaluation)")
-    train.add_argument("--config", default="ppo_smollm2",
-                       help="a YAML file, or a name under configs/train (ppo_smollm2, ppo_tiny)")
-    train.add_argument("--resume", action="store_true", help="continue runs/<name>/ from its newest checkpoint")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train = commands.add_parser(
+        "train", help="train the ranking policy from a config: collect decision points, imitation, policy gradient, "
+                      "PPO (agents.ranker.pipeline)")
+    train.add_argument("--config", default="ranker_smollm2",
+                       help="a YAML file, or a name under configs/train (ranker_smollm2)")
+    train.add_argument("--resume", action="store_true", help="continue runs/<name>/ where it stopped")
     train.add_argument("overrides", nargs="*", metavar="key=value",
-                       help="config overrides, e.g. total_timesteps=20000 ppo.learning_rate=1e-4 name=try2")
+                       help="config overrides, e.g. train.warm_epochs=10 name=try2 data_dir=data/generalization")
 
     ranker = commands.add_parser("ranker", help="the ranking policy: collect decision points, train it, replay-vs-live fidelity (agents.ranker)")
     ranker_kinds = ranker.add_subparsers(dest="ranker", required=True)
@@ -592,8 +549,7 @@ def cmd_generate(args) -> int:
     console.print(f"prefill {summary['prefill_s']} s, decode {summary['decode_ms_per_token']} ms/token, "
                   f"decisions {summary['decisions']}, operations {summary['operations']}, fallbacks {summary['fallbacks']}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**summary, "text": result.text}, indent=2))
+        write_json({**summary, "text": result.text}, args.json)
     return 0
 
 
@@ -602,37 +558,15 @@ def cmd_bench(args) -> int:
     from cache.benchmark import bench_cache, bench_ops
     from cache.models import load_model
 
-    if args.bench == "env":
-        from eval.env_benchmark import bench_env, write_report
-
-        model = None if args.model.lower() == "none" else load_model(args.model)
-        report = bench_env(model, args.num_envs, args.live_steps, args.replay_steps,
-                           str(args.traces) if args.traces else None, args.correlation_episodes,
-                           progress=lambda row: print(json.dumps(row, default=str), flush=True))
-        write_report(report, args.json)
-        print(f"wrote {args.json}")
-        return 0
-    if args.bench == "ranker":
+    if args.bench == "policy":
         from agents.ranker.benchmark import bench_decision, bench_replay
-        from eval.env_benchmark import write_report
 
         report = {"model": args.model, "decision": bench_decision(load_model(args.model).model, args.policy,
                                                                   args.context, repeats=args.repeats)}
         if args.decisions is not None:
             report["replay_env"] = bench_replay(args.decisions, args.replay_steps)
-        write_report(report, args.json)
+        write_json(report, args.json)
         print(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
-        return 0
-    if args.bench == "policy":
-        from agents.ppo.benchmark import bench_policy
-
-        model = load_model(args.model).model if args.model else None
-        report = bench_policy(args.policy, args.layers, args.candidates, args.repeats, model=model)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(json.dumps({k: report[k] for k in ("direct_masked_argmax", "sb3_predict", "meets_target")}, indent=1))
-        print(f"wrote {args.json}")
         return 0
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.bench == "eval":
@@ -661,10 +595,15 @@ def cmd_bench(args) -> int:
 def _write_report(report: dict, args) -> int:
     report["model"] = args.model
     report["device"] = args.device
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.json}")
+    write_json(report, args.json)
     return 0
+
+
+def write_json(report: dict | list, path: Path) -> None:
+    """Write ``report`` as indented JSON to ``path`` (its folder created; numpy numbers as numbers)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+    print(f"wrote {path}")
 
 
 def cmd_bandwidth(args) -> int:
@@ -689,37 +628,11 @@ def cmd_bandwidth(args) -> int:
     return 0
 
 
-def cmd_traces(args) -> int:
-    """``kvgym traces``: record full-cache traces, or compare scripted policies on both envs."""
-    if args.traces == "compare":
-        from eval.harness import split_specs
-        from eval.replay_compare import replay_returns
-
-        policies = split_specs(args.policies)
-        report = replay_returns(str(args.dir), policies, [float(b) for b in args.budgets.split(",")])
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        for spec, rows in report["policies"].items():
-            print(spec, {budget: round(row["return"], 2) for budget, row in rows.items()})
-        return 0
-    from cache.models import load_model
-    from kvgym.envs.traces import build_traces
-
-    tasks = checked_tasks(args.tasks)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    entries = build_traces(loaded.model, loaded.tokenizer, tasks, args.lengths, args.n, args.seed, args.out,
-                           prefill_chunk=args.prefill_chunk, max_new_tokens=args.max_new_tokens, chat=args.chat,
-                           model_name=args.model)
-    print(f"wrote {len(entries)} traces and index.json to {args.out}")
-    return 0
-
-
 def cmd_train(args) -> int:
-    """``kvgym train``: PPO on the replay env from a config."""
-    from agents.ppo.train import load_config, train
+    """``kvgym train``: the ranking policy's whole training from a config (``agents.ranker.pipeline``)."""
+    from agents.ranker.pipeline import load_config, train_pipeline
 
-    config = load_config(args.config, args.overrides)
-    train(config, resume=args.resume, progress_bar=not args.no_progress)
+    train_pipeline(load_config(args.config, args.overrides), resume=args.resume)
     return 0
 
 
@@ -824,15 +737,13 @@ def _ranker_regret(args) -> int:
     report["files"] = {name: str(path) for name, path in files.items()}
     print(comparison_md(report), end="")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(report, args.json)
     return 0
 
 
 def _ranker_fidelity(args) -> int:
     from agents.ranker.model import load_ranker
     from cache.models import load_model
-    from eval.env_benchmark import write_report
     from eval.ranking_fidelity import (
         FEATURE_POLICIES,
         REPLAY_TARGETS,
@@ -862,7 +773,7 @@ def _ranker_fidelity(args) -> int:
                 rows.append({"sample": f"{task}/{index}", **row})
             print(f"{task}/{index}: {len(rows)} rows", flush=True)
     summaries = {target: fidelity_summary(rows, column) for target, column in REPLAY_TARGETS.items()}
-    write_report({"model": args.model, "length": args.length, "seed": args.seed, "tasks": tasks,
+    write_json({"model": args.model, "length": args.length, "seed": args.seed, "tasks": tasks,
                   "summary": summaries["future"], "summary_by_target": summaries, "rows": rows}, args.json)
     print(json.dumps({target: {k: v for k, v in summary.items() if k != "episodes"} for target, summary in summaries.items()}))
     return 0
@@ -891,8 +802,7 @@ def _ranker_live_compare(args) -> int:
                         for i, (sample, budget) in enumerate(keys)]}
     print(json.dumps({k: report[k] for k in ("mean_kl", "against_reference")}, indent=1))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(report, args.json)
     return 0
 
 
@@ -952,7 +862,6 @@ SAMPLE_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "sco
 
 def cmd_compare(args) -> int:
     """``kvgym compare``: one controller against every other on the samples both ran."""
-    from eval.env_benchmark import write_report
     from eval.report import paired_differences, paired_differences_md, read_jsonl, records_file
 
     if not records_file(args.samples).is_file():
@@ -961,7 +870,7 @@ def cmd_compare(args) -> int:
     if not rows:
         raise ValueError(f"{args.samples}: no other controller ran the same samples at {args.controller}'s budgets")
     if args.json is not None:
-        write_report(rows, args.json)
+        write_json(rows, args.json)
     print(paired_differences_md(rows))
     return 0
 
@@ -987,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; bad input ends with a message and exit code 2, Ctrl-C with 130."""
     args = build_parser().parse_args(argv)
     handlers = {"setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench, "bandwidth": cmd_bandwidth,
-                "eval": cmd_eval, "traces": cmd_traces, "train": cmd_train, "ranker": cmd_ranker, "tensorboard": cmd_tensorboard,
+                "eval": cmd_eval, "train": cmd_train, "ranker": cmd_ranker, "tensorboard": cmd_tensorboard,
                 "peer": cmd_peer, "compare": cmd_compare, "report": cmd_report}
     from cache.models import ModelBuildError
     from eval.tasks.corpora import CorpusError

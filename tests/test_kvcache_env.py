@@ -8,9 +8,9 @@ import pytest
 import kvgym  # noqa: F401  (registers the envs)
 from cache.ranking import RANK_FEATURES
 from kvgym.envs.kvcache import GLOBAL_COLUMNS, KVCacheEnv, squash
-from tests.test_env import toy_recall  # noqa: F401  (registers toy_recall)
 from tests.test_harness import ByteTokenizer
 from tests.test_harness_protocols import fake_turns  # noqa: F401  (registers fake_turns: a three-turn sample)
+from tests.toy import toy_recall  # noqa: F401  (registers toy_recall)
 
 BUDGET_COLUMN = GLOBAL_COLUMNS.index("budget")
 

@@ -53,7 +53,17 @@ def test_every_module_follows_the_layout_rule(folder):
     found = {str(path.relative_to(ROOT)): violations(path.read_text(), folder) for path in paths}
     assert not {path: bad for path, bad in found.items() if bad}
     if folder == "kvgym":
-        assert ROOT / "kvgym" / "envs" / "replay.py" in paths  # the envs are among the checked modules
+        assert ROOT / "kvgym" / "envs" / "kvcache.py" in paths  # the envs are among the checked modules
+
+
+def test_the_envs_do_not_import_sb3():
+    """The envs are Gymnasium's; SB3's ``VecEnv`` adapter lives with training (``agents.ranker.ppo``)."""
+    paths = sorted((ROOT / "kvgym" / "envs").glob("*.py"))
+    assert ROOT / "kvgym" / "envs" / "kvcache.py" in paths
+    found = {path.name: [m for m in imported_modules(path.read_text()) if m.split(".")[0] in ("stable_baselines3", "sb3_contrib")]
+             for path in paths}
+    assert not {name: bad for name, bad in found.items() if bad}
+    assert imported_modules("from stable_baselines3.common.vec_env import VecEnv") == ["stable_baselines3.common.vec_env"]
 
 
 def test_the_checker_flags_forbidden_imports():
@@ -66,13 +76,13 @@ from eval.tasks.base import get_task
 def load():
     from agents.registry import make_controller
     import agents.baselines.oracle
-    from eval.replay_compare import spearman
+    from eval.ranking_fidelity import spearman
     from . import sibling
     return make_controller
 '''
-    assert violations(source, "kvgym") == ["agents.registry", "agents.baselines.oracle", "eval.replay_compare"]
+    assert violations(source, "kvgym") == ["agents.registry", "agents.baselines.oracle", "eval.ranking_fidelity"]
     assert violations(source, "cache") == ["eval.tasks.base", "agents.registry", "agents.baselines.oracle",
-                                           "eval.replay_compare"]
+                                           "eval.ranking_fidelity"]
     assert violations("import evaluation\nfrom cachetools import LRUCache\n", "cache") == []  # prefixes, not names
 
 

@@ -5,12 +5,10 @@ import stat
 import pytest
 
 from agents.policy_file import PolicyFileError, atomic_write
-from agents.ppo import controller as slot_policy
 from agents.ranker import model as ranker_model
 
 
-def test_every_policy_format_refuses_with_the_one_error_class():
-    assert slot_policy.PolicyFileError is PolicyFileError
+def test_the_policy_format_refuses_with_the_one_error_class():
     assert ranker_model.PolicyFileError is PolicyFileError
 
 

@@ -131,7 +131,7 @@ def test_a_damaged_or_foreign_zip_is_refused(tmp_path):
 
     with pytest.raises(PolicyFileError, match="sha256"):
         load_ranker(rewrite("tampered.zip", tamper))
-    with pytest.raises(PolicyFileError, match="slot policy"):  # an SB3 zip without the entry (kvgym train's)
+    with pytest.raises(PolicyFileError, match="not a kvgym ranking policy"):  # an SB3 zip without the entry
         load_ranker(rewrite("foreign.zip", lambda files: {k: v for k, v in files.items() if k != PPO_ENTRY}))
     truncated = tmp_path / "truncated.zip"
     truncated.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
@@ -158,16 +158,6 @@ def test_replay_env_checks_its_score_bound():
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="score_bound"):
             RankingReplayEnv(decisions, score_bound=bad)
-
-
-def test_the_slot_policy_loader_sends_a_ranking_zip_to_the_ranker(tmp_path):
-    from agents.ppo.controller import PolicyFileError as SlotPolicyFileError
-    from agents.ppo.controller import PPOController
-    from agents.ranker.ppo import save_ppo_ranker
-
-    path = save_ppo_ranker(_ppo()[0], tmp_path / "p.zip")
-    with pytest.raises(SlotPolicyFileError, match="load it as ranker:"):
-        PPOController.load(path)
 
 
 def _one_by_one_regrets(decisions: Decisions, actions: np.ndarray, rows: list[int]) -> list[float]:
@@ -239,7 +229,7 @@ def test_a_fixed_std_stays_where_it_started_and_a_learned_one_moves(tmp_path):
 
 
 def test_the_batched_vec_env_pays_each_env_its_own_regret_and_checks_actions():
-    from kvgym.envs.decisions import RankingReplayVecEnv
+    from agents.ranker.ppo import RankingReplayVecEnv
 
     decisions = Decisions(synthetic_records(20, 0))
     envs = RankingReplayVecEnv(decisions, 5, score_bound=SCORE_BOUND, seed=1)

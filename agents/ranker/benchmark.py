@@ -1,4 +1,4 @@
-"""``kvgym bench ranker``: what a ranking decision costs on a real cache, and how fast the replay env steps.
+"""``kvgym bench policy``: what a ranking decision costs on a real cache, and how fast the replay env steps.
 
 - **Decision** (target ≤ 1 ms): a ``context``-token prompt prefilled densely into a ``PagedKVCache`` of the given
   model, then, on that cache, the parts of one ``RankerController.decide``: building the ``CacheView``, the
@@ -13,12 +13,24 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from agents.ppo.benchmark import _times_ms
+
+def _times_ms(fn, repeats: int) -> dict:
+    """Milliseconds per call of ``fn`` over ``repeats`` calls after one warm-up: median, mean, 90th percentile."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(1000 * (time.perf_counter() - start))
+    return {"median_ms": statistics.median(samples), "mean_ms": statistics.fmean(samples),
+            "p90_ms": float(np.percentile(samples, 90)), "repeats": repeats}
 
 
 def bench_decision(model, policy: str | Path, context: int = 2048, budget: float = 0.25, repeats: int = 50,
@@ -66,8 +78,6 @@ def bench_decision(model, policy: str | Path, context: int = 2048, budget: float
 
 def bench_replay(folder: str | Path, steps: int = 20_000, seed: int = 0) -> dict:
     """Steps per second of the ranking replay env over recorded decision points."""
-    import time
-
     from kvgym.envs.decisions import Decisions, RankingReplayEnv, load_records
 
     paths = sorted(Path(folder).glob("*.pt"))

@@ -121,15 +121,15 @@ def _read_ppo_zip(path: Path) -> dict:
         with zipfile.ZipFile(path) as archive:
             if PPO_ENTRY not in archive.namelist():
                 raise PolicyFileError(f"{path} is an SB3 zip but not a kvgym ranking policy: it lacks {PPO_ENTRY} "
-                                      "(train one with `kvgym ranker ppo`; a slot policy of `kvgym train` loads as "
-                                      "ppo:PATH)")
+                                      "(train one with `kvgym train` or `kvgym ranker ppo`; the retired slot "
+                                      "policies are no longer read)")
             meta = json.loads(archive.read(PPO_ENTRY))
             weights = archive.read("policy.pth")
     except (zipfile.BadZipFile, EOFError, OSError, json.JSONDecodeError, KeyError) as error:
         raise PolicyFileError(f"ranker file {path} is a corrupt zip ({type(error).__name__}); refusing it") from None
     if not isinstance(meta, dict) or meta.get("format") != PPO_FORMAT:
-        raise PolicyFileError(f"{path} is not a kvgym ranking policy (format {PPO_FORMAT!r}); a slot policy of "
-                              "`kvgym train` loads as ppo:PATH")
+        raise PolicyFileError(f"{path} is not a kvgym ranking policy (format {PPO_FORMAT!r}; the retired slot "
+                              "policies are no longer read)")
     if sha256_hex(weights) != meta.get("policy_sha256"):
         raise PolicyFileError(f"ranker file {path}: policy.pth does not match its recorded sha256; refusing it")
     try:

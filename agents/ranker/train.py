@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from agents.policy_file import atomic_write
 from agents.ranker.model import BlockScorer, save_ranker
 from cache.ranking import RANK_FEATURES
 from kvgym.envs.decisions import BUDGETS, Decisions
@@ -131,22 +132,30 @@ def blind_to(model: BlockScorer, columns: list[int]) -> None:
 def train(records: list[dict], validation: list[dict], out: str | Path, warm_epochs: int = 30, rl_epochs: int = 30,
           samples: int = 8, batch: int = 256, lr: float = 3e-3, rl_lr: float = 1e-3, hidden: int = 64,
           seed: int = 0, target: str = "future", needle_weight: float = 0.0, drop_features: tuple[str, ...] = (),
-          budgets: tuple[float, ...] = BUDGETS, log=print) -> dict:
+          budgets: tuple[float, ...] = BUDGETS, resume: bool = False, log=print) -> dict:
     """Train a ``BlockScorer`` (warm start, then policy gradient); writes ``out/ranker.pt`` (best by validation
     regret), ``out/warm_start.pt`` (the warm start alone), ``out/metrics.jsonl``, TensorBoard events and
     ``out/summary.json``. ``target``: what a ranking's regret is measured against (``Decisions``): the future
     attention, or the teacher's scores (records collected with one: the warm start then imitates the teacher),
     with ``needle_weight`` for the blocks that state the answer (``Decisions``). ``drop_features``: features or
     ``FEATURE_GROUPS`` the scorer must not read (``blind_to``; recorded in the file's summary). ``budgets``: the
-    fractions of the context each one-shot decision point is scored at (streaming states keep their own)."""
+    fractions of the context each one-shot decision point is scored at (streaming states keep their own).
+
+    After every epoch the run's state (weights, optimiser, random generator, best so far) is written atomically
+    to ``out/last.pt``; ``resume`` continues from it (a killed run loses at most one epoch, and the epochs after
+    it are those an unbroken run would have made). Without ``resume`` an ``out`` that holds a ``last.pt`` is
+    refused rather than overwritten."""
     from torch.utils.tensorboard import SummaryWriter
 
     if warm_epochs < 0 or rl_epochs < 0 or warm_epochs + rl_epochs == 0:
         raise ValueError(f"ranker train: epochs must be >= 0 and not both 0 (got warm {warm_epochs}, "
                          f"policy gradient {rl_epochs}): an untrained file is not a policy")
     columns = dropped_columns(tuple(drop_features))
-    torch.manual_seed(seed)
     out = Path(out)
+    state = _read_checkpoint(out / "last.pt") if resume else None
+    if not resume and (out / "last.pt").exists():
+        raise ValueError(f"{out} holds a training run (last.pt): pass --resume to continue it, or another folder")
+    torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     data = Decisions(records, budgets=budgets, target=target, needle_weight=needle_weight)
     held = Decisions(validation, budgets=budgets, target=target, needle_weight=needle_weight)
@@ -154,11 +163,27 @@ def train(records: list[dict], validation: list[dict], out: str | Path, warm_epo
     model.set_normalisation(data.features[data.candidates])
     blind_to(model, columns)
     writer = SummaryWriter(str(out / "tensorboard"))
-    metrics = (out / "metrics.jsonl").open("w")
     best = {"regret": math.inf}
     summary = {"train_rows": len(data), "validation_rows": len(held), "train_samples": len(records),
                "validation_samples": len(validation), "budgets": list(budgets), "target": target,
                "needle_weight": needle_weight, "dropped_features": [RANK_FEATURES[c] for c in columns]}
+    stages = [("warm", warm_epochs, lr), ("policy_gradient", rl_epochs, rl_lr)]
+    done, saved_optimiser = 0, None
+    if state is not None:
+        if state["total_epochs"] != warm_epochs + rl_epochs or state["hidden"] != hidden:
+            raise ValueError(f"--resume {out / 'last.pt'}: that run has {state['total_epochs']} epochs and hidden "
+                             f"{state['hidden']}, this one {warm_epochs + rl_epochs} and {hidden}; resume with its "
+                             "settings, or start in another folder")
+        model.load_state_dict(state["model"])
+        torch.set_rng_state(state["rng"])
+        best, done, saved_optimiser = state["best"], state["epoch"], state["optimiser"]
+        summary.update(state["summary"])
+        log(f"resuming {out} after epoch {done} (best validation regret so far {best['regret']:.4f})")
+    if state is not None:  # rows of the epoch the kill interrupted (logged, not saved) are dropped: it runs again
+        lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["epoch"] <= done]
+        (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    metrics = (out / "metrics.jsonl").open("a" if state is not None else "w")
 
     def evaluate(epoch: int, stage: str, loss: float) -> None:
         model.eval()
@@ -176,41 +201,69 @@ def train(records: list[dict], validation: list[dict], out: str | Path, warm_epo
         log(f"{stage} epoch {epoch}: loss {loss:.4f}  validation regret {regret:.4f}")
         model.train()
 
-    optimiser = torch.optim.Adam(model.parameters(), lr=lr)
-    epoch = 0
-    evaluate(epoch, "init", float("nan"))
-    for _ in range(warm_epochs):
-        epoch += 1
-        total = 0.0
-        for rows in torch.randperm(len(data)).split(batch):
-            scores, _ = model(data.features[rows])
-            loss = listwise_loss(scores, data.mass[rows], data.candidates[rows])
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
-            total += float(loss.detach()) * len(rows)
-        evaluate(epoch, "warm", total / len(data))
-    save_ranker(model, out / "warm_start.pt", {**summary, "stage": "warm start only", "epochs": warm_epochs})
-    summary["warm_start_validation"] = regret_table(held, model)["ranker"]
+    def warm_step(rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+        scores, _ = model(data.features[rows])
+        loss = listwise_loss(scores, data.mass[rows], data.candidates[rows])
+        return loss, float(loss.detach())
 
-    optimiser = torch.optim.Adam(model.parameters(), lr=rl_lr)
-    for _ in range(rl_epochs):
-        epoch += 1
-        total = 0.0
-        for rows in torch.randperm(len(data)).split(batch):
-            scores, _ = model(data.features[rows])
-            keys, log_prob = plackett_luce_topk(scores, data.candidates[rows], data.room[rows], samples)
-            with torch.no_grad():
-                reward = -torch.stack([data.regret(k, rows) for k in keys])  # [S, R]
-                baseline = (reward.sum(dim=0, keepdim=True) - reward) / (samples - 1)  # leave-one-out
-            loss = -((reward - baseline) * log_prob).mean()
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
-            total += float(-reward.mean()) * len(rows)
-        evaluate(epoch, "policy_gradient", total / len(data))
+    def policy_gradient_step(rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+        scores, _ = model(data.features[rows])
+        keys, log_prob = plackett_luce_topk(scores, data.candidates[rows], data.room[rows], samples)
+        with torch.no_grad():
+            reward = -torch.stack([data.regret(k, rows) for k in keys])  # [S, R]
+            baseline = (reward.sum(dim=0, keepdim=True) - reward) / (samples - 1)  # leave-one-out
+        return -((reward - baseline) * log_prob).mean(), float(-reward.mean())
+
+    if done == 0:
+        evaluate(0, "init", float("nan"))
+    epoch = 0
+    for stage, epochs, stage_lr in stages:
+        first, last = epoch + 1, epoch + epochs
+        epoch = last
+        if done >= last:
+            continue
+        optimiser = torch.optim.Adam(model.parameters(), lr=stage_lr)
+        if saved_optimiser is not None and first <= done:  # resumed inside this stage
+            optimiser.load_state_dict(saved_optimiser)
+        step = warm_step if stage == "warm" else policy_gradient_step
+        for current in range(max(first, done + 1), last + 1):
+            total = 0.0
+            for rows in torch.randperm(len(data)).split(batch):
+                loss, value = step(rows)
+                optimiser.zero_grad()
+                loss.backward()
+                optimiser.step()
+                total += value * len(rows)
+            evaluate(current, stage, total / len(data))
+            if stage == "warm" and current == last:
+                save_ranker(model, out / "warm_start.pt", {**summary, "stage": "warm start only", "epochs": warm_epochs})
+                summary["warm_start_validation"] = regret_table(held, model)["ranker"]
+            _write_checkpoint(out / "last.pt", model, optimiser, current, warm_epochs + rl_epochs, best, summary)
     summary.update(best=best, validation=regret_table(held, None))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     writer.close()
     metrics.close()
     return summary
+
+
+def _write_checkpoint(path: Path, model: BlockScorer, optimiser, epoch: int, total_epochs: int, best: dict,
+                      summary: dict) -> None:
+    """The run's state after ``epoch``, written atomically (``atomic_write``)."""
+    state = {"format": "kvgym-ranker-train-state", "epoch": epoch, "total_epochs": total_epochs,
+             "hidden": model.hidden, "model": model.state_dict(), "optimiser": optimiser.state_dict(),
+             "rng": torch.get_rng_state(), "best": dict(best), "summary": dict(summary)}
+    with atomic_write(path, ".pt") as tmp:
+        torch.save(state, tmp)
+
+
+def _read_checkpoint(path: Path) -> dict:
+    """``last.pt`` of a run to resume, or a ``ValueError`` that names it and says what to do."""
+    if not path.is_file():
+        raise ValueError(f"--resume: {path} does not exist (no run to continue there); start without --resume")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged file)
+        raise ValueError(f"--resume: {path} cannot be read ({type(error).__name__}); delete it to start over") from None
+    if not isinstance(state, dict) or state.get("format") != "kvgym-ranker-train-state":
+        raise ValueError(f"--resume: {path} is not a kvgym training state; delete it to start over")
+    return state

@@ -4,7 +4,7 @@ import sys
 
 import numpy as np
 
-from eval.replay_compare import spearman
+from eval.ranking_fidelity import spearman
 
 rows = json.loads(gzip.open(sys.argv[1]).read() if str(sys.argv[1]).endswith('.gz') else open(sys.argv[1]).read())
 eps = {}

@@ -34,7 +34,7 @@ teacher-forced KL of the compressed cache's output from the full cache's, is ``L
 
 ``RankingReplayEnv`` serves those decisions as one-step Gymnasium episodes: the observation is the layer's
 block features (padded to ``max_blocks``) and its candidate mask, the action a keep score per block;
-``RankingReplayVecEnv`` steps many of them as one SB3 ``VecEnv`` batch (what PPO trains on).
+``agents.ranker.ppo.RankingReplayVecEnv`` steps many of them as one SB3 ``VecEnv`` batch (what PPO trains on).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium import spaces
-from stable_baselines3.common.vec_env.base_vec_env import VecEnv
 
 from cache.controller import PHASES, CacheView, apply_decisions
 from cache.paged_cache import CacheConfig
@@ -495,70 +494,3 @@ class RankingReplayEnv(gym.Env):
         self._row = None  # one step per episode
         return observation, -regret, True, False, {"regret": regret, "row": row,
                                                    "budget": float(self.decisions.budget[row])}
-
-
-class RankingReplayVecEnv(VecEnv):
-    """``num_envs`` ``RankingReplayEnv`` episodes stepped as one batch (SB3 ``VecEnv``): one gather of the rows'
-    features and one ``Decisions.regret`` call for all envs per step, instead of a Python loop over envs (what
-    ``DummyVecEnv`` does). Same spaces, rewards and infos as the single env; every step ends every episode and
-    the returned observations are the next episodes' (``info["terminal_observation"]`` holds the ended one).
-
-    ``group`` > 1: consecutive groups of that many envs show the same decision (a row drawn once per group), so
-    that their sampled rankings can be rewarded against each other. Rows are drawn uniformly with ``seed``."""
-
-    def __init__(self, decisions: Decisions, num_envs: int, score_bound: float = 1.0, group: int = 1, seed: int = 0):
-        if group < 1 or num_envs % group:
-            raise ValueError(f"group: expected a divisor of the {num_envs} envs, got {group}")
-        single = RankingReplayEnv(decisions, score_bound=score_bound)
-        self.render_mode = None
-        super().__init__(num_envs, single.observation_space, single.action_space)
-        self.decisions, self.group = decisions, group
-        self.rng = np.random.default_rng(seed)
-        self.rows = np.zeros(num_envs, np.int64)
-        self._actions: np.ndarray | None = None
-        self._observations: dict[str, np.ndarray] | None = None
-
-    def _draw(self) -> dict[str, np.ndarray]:
-        self.rows = np.repeat(self.rng.integers(len(self.decisions), size=self.num_envs // self.group), self.group)
-        index = torch.from_numpy(self.rows)
-        return {"blocks": self.decisions.features[index].numpy(),
-                "candidates": self.decisions.candidates[index].numpy().astype(np.float32)}
-
-    def reset(self) -> dict[str, np.ndarray]:
-        self._observations = self._draw()
-        return self._observations
-
-    def step_async(self, actions: np.ndarray) -> None:
-        self._actions = actions
-
-    def step_wait(self):
-        if self._observations is None:
-            raise RuntimeError("RankingReplayVecEnv.step before reset: call reset() first")
-        actions = keep_scores(self._actions, (self.num_envs, *self.action_space.shape), "actions")
-        self._actions = None
-        regret = self.decisions.regret(torch.from_numpy(actions), torch.from_numpy(self.rows)).numpy()
-        ended, budget = self._observations, self.decisions.budget[torch.from_numpy(self.rows)].tolist()
-        infos = [{"regret": float(regret[i]), "row": int(self.rows[i]), "budget": budget[i],
-                  "terminal_observation": {key: value[i] for key, value in ended.items()}}
-                 for i in range(self.num_envs)]
-        self._observations = self._draw()
-        return self._observations, (-regret).astype(np.float32), np.ones(self.num_envs, bool), infos
-
-    def close(self) -> None:
-        pass
-
-    def seed(self, seed: int | None = None):
-        self.rng = np.random.default_rng(seed)
-        return [seed] * self.num_envs
-
-    def get_attr(self, attr_name: str, indices=None) -> list:
-        return [getattr(self, attr_name) for _ in self._get_indices(indices)]
-
-    def set_attr(self, attr_name: str, value, indices=None) -> None:
-        setattr(self, attr_name, value)
-
-    def env_method(self, method_name: str, *method_args, indices=None, **method_kwargs) -> list:
-        raise AttributeError(f"RankingReplayVecEnv has no per-env method {method_name!r} (its envs are rows)")
-
-    def env_is_wrapped(self, wrapper_class, indices=None) -> list[bool]:
-        return [False for _ in self._get_indices(indices)]

@@ -1,34 +1,10 @@
-"""The one reward function of the environments: the live env, the replay env and training's TensorBoard scalars
-(``cache/reward_*``, which log the ``info["reward_terms"]`` the envs computed here) all use it.
-
-Per step, in nats and MB:
-
-``reward = -(kl + mass_scale × lost_mass) - lambda_bytes × MB moved + lambda_task × task_score``
-
-- ``kl``: the live env's KL to the full cache's next-token distributions (teacher-forced on the reference's tokens),
-  or the replay env's proxy for it (``kl_scale × kl_proxy``), summed over the step's scored forwards;
-- ``lost_mass``: the replay env's future attention mass on blocks off the device (0 live);
-- ``bytes_moved``: bytes moved between tiers in the step's operations (including the budget fallback's);
-- ``task_score``: the task score of the answer, on the episode's last step (0 in replay: no answer is decoded).
-"""
+"""The ranking action's exact reward from a trace: which blocks a ranking keeps (``kept_by_ranking``) and the future
+attention it leaves off the device beyond what the future-attention oracle leaves (``ranking_regret``), for the
+replay of decision points (``kvgym.envs.decisions``) and the ranker's training."""
 
 from __future__ import annotations
 
 import torch
-
-REWARD_TERMS = ("kl", "mass", "bytes", "task")
-
-
-def reward_terms(kl: float, bytes_moved: float, task_score: float = 0.0, lost_mass: float = 0.0, *,
-                 lambda_bytes: float, lambda_task: float = 1.0, mass_scale: float = 0.0) -> dict[str, float]:
-    """The signed terms of one step's reward, keyed by ``REWARD_TERMS``; their sum is ``reward``."""
-    return {"kl": -kl, "mass": -mass_scale * lost_mass, "bytes": -lambda_bytes * bytes_moved / 2**20,
-            "task": lambda_task * task_score}
-
-
-def reward(terms: dict[str, float]) -> float:
-    """The step's reward: the sum of its ``reward_terms``."""
-    return float(sum(terms[name] for name in REWARD_TERMS))
 
 
 def kept_by_ranking(scores, room, candidates) -> torch.Tensor:
