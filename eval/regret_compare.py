@@ -1,6 +1,6 @@
 """Rankings compared by their replay regret on held-out decision points, with intervals over samples.
 
-``kvgym ranker train`` picks its checkpoint on a validation set, so the regret it reports there is slightly
+``python -m benchmarks.ranker_tools train`` picks its checkpoint on a validation set, so the regret it reports there is slightly
 optimistic. This module scores finished ranker files (and the single-feature heuristics) on a third set of
 decision points that no training step or checkpoint choice has seen, and compares each ranking with a
 reference (e.g. the warm start): the **fraction of the reference's gap to the oracle it closes**,

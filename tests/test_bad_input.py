@@ -275,7 +275,7 @@ API_CASES = [  # issue 41: what once passed silently, or with a traceback, and t
                  id="4-dataset-max-new-tokens-text"),
     pytest.param(lambda tmp: _load(tmp, [{**ROW, "answer_prefix": 5}]), "'answer_prefix' must be a string, got 5",
                  id="dataset-answer-prefix-number"),
-    pytest.param(lambda tmp: __import__("kvgym.cli").cli._ranker_files("a=x.pt,a=y.pt"),
+    pytest.param(lambda tmp: __import__("benchmarks.ranker_tools").ranker_tools._ranker_files("a=x.pt,a=y.pt"),
                  "the name 'a' is given twice", id="5-duplicate-policy-names"),
     pytest.param(lambda tmp: _load(tmp, []), "b.jsonl holds no rows", id="dataset-empty-jsonl"),
     pytest.param(lambda tmp: _json_file(tmp, "[]"), "rows.json holds no rows", id="dataset-empty-json-list"),

@@ -1,4 +1,4 @@
-"""The instrumented bandwidth run (eval/bandwidth.py, `kvgym bandwidth`) on the tiny random Llama."""
+"""The instrumented bandwidth run (eval/bandwidth.py, `kvgym bench bandwidth`) on the tiny random Llama."""
 
 import csv
 import json
@@ -167,7 +167,7 @@ def tiny_byte_checkpoint(tmp_path_factory):
 
 def test_cli_bandwidth_on_the_packaged_corpus(tiny_byte_checkpoint, tmp_path, capsys):
     out = tmp_path / "bw"
-    code = main(["bandwidth", "--model", str(tiny_byte_checkpoint), "--max-tokens", "160", "--budget", "4",
+    code = main(["bench", "bandwidth", "--model", str(tiny_byte_checkpoint), "--max-tokens", "160", "--budget", "4",
                  "--chunk", "32", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     assert "flat ratio" in capsys.readouterr().out
@@ -183,7 +183,7 @@ def test_cli_bandwidth_on_the_packaged_corpus(tiny_byte_checkpoint, tmp_path, ca
     (["--max-tokens", "5000"], "exceeds the model's 1024 positions"),
 ])
 def test_cli_bandwidth_bad_inputs_exit_2(tiny_byte_checkpoint, tmp_path, capsys, arguments, message):
-    code = main(["bandwidth", "--model", str(tiny_byte_checkpoint), "--out", str(tmp_path / "bw"), *arguments])
+    code = main(["bench", "bandwidth", "--model", str(tiny_byte_checkpoint), "--out", str(tmp_path / "bw"), *arguments])
     assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvgym bandwidth: error:") and message in err
+    assert err.startswith("kvgym bench bandwidth: error:") and message in err

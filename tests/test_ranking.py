@@ -218,6 +218,14 @@ def test_keep_top_stay_margin_keeps_residents_against_a_near_tie_only(tiny_model
         keep_top(view, near, stay=-1.0)
     controller = make_controller("ranker:policies/ranker_smollm2.pt,stay=0.5")
     assert isinstance(controller, RankerController) and controller.stay == 0.5
+    # question_stay: the margin at the question's decision point only (the near tie swaps there, nowhere else)
+    controller = make_controller("ranker:policies/ranker_smollm2.pt,stay=0.5,question_stay=0,merge=false")
+    controller.scores = lambda view: (near.numpy(), None)
+    for phase, swapped in (("question", True), ("decode", False), ("prefill", False)):
+        view = CacheView.from_cache(cache, [5, 5], phase=phase)
+        assert (controller.decide(view) == swaps) is swapped, phase
+    with pytest.raises(ValueError, match="question_stay"):
+        make_controller("ranker:policies/ranker_smollm2.pt,question_stay=-1")
 
 
 def test_keep_top_leaves_exactly_the_pinned_and_top_scored_blocks_on_device(tiny_model):

@@ -1,4 +1,4 @@
-"""Rankings compared on held-out decision points (`eval.regret_compare`, `kvgym ranker regret`): the fraction
+"""Rankings compared on held-out decision points (`eval.regret_compare`, `python -m benchmarks.ranker_tools regret`): the fraction
 of a reference's gap to the oracle closed, resampled by whole samples."""
 
 import json
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from agents.ranker.model import BlockScorer, save_ranker
+from benchmarks.ranker_tools import main
 from cache.ranking import RANK_FEATURES
 from eval.regret_compare import compare_rankings, comparison_md, gap_closed
-from kvgym.cli import main
 from kvgym.envs.decisions import BUDGETS, Decisions
 from tests.test_ranking import synthetic_records
 
@@ -71,15 +71,15 @@ def test_ranker_regret_command_scores_ranker_files_on_held_out_records(tmp_path,
         model.set_normalisation(torch.randn(50, len(RANK_FEATURES)))
         save_ranker(model, tmp_path / f"{name}.pt")
     out = tmp_path / "report.json"
-    assert main(["ranker", "regret", "--records", str(folder), "--policies",
+    assert main(["regret", "--records", str(folder), "--policies",
                  f"a={tmp_path / 'a.pt'},b={tmp_path / 'b.pt'}", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["reference"] == "a" and report["samples"] == 3
     assert {"a", "b", "key_norm (Knorm)"} <= set(report["regret"])
     assert "| b |" in capsys.readouterr().out
-    assert main(["ranker", "regret", "--records", str(folder), "--policies", str(tmp_path / "a.pt")]) != 0
+    assert main(["regret", "--records", str(folder), "--policies", str(tmp_path / "a.pt")]) != 0
     assert "expected NAME=PATH pairs" in capsys.readouterr().err
-    assert main(["ranker", "regret", "--records", str(tmp_path / "nothing"),
+    assert main(["regret", "--records", str(tmp_path / "nothing"),
                  "--policies", f"a={tmp_path / 'a.pt'}"]) != 0
     assert "no decision points" in capsys.readouterr().err
 

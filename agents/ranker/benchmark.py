@@ -8,7 +8,7 @@
   over ``repeats``. The first decision on a dense prefill at budget 0.25 moves 75% of the blocks (the most
   ``keep_top`` ever writes); later ones move few.
 - **Replay env** (target ≥ 2,000 steps/s): ``RankingReplayEnv`` over every recorded decision of a
-  ``kvgym ranker collect`` folder (all held in memory), random keep scores, reset + step per episode.
+  ``python -m benchmarks.ranker_tools collect`` folder (all held in memory), random keep scores, reset + step per episode.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def bench_replay(folder: str | Path, steps: int = 20_000, seed: int = 0) -> dict
 
     paths = sorted(Path(folder).glob("*.pt"))
     if not paths:
-        raise ValueError(f"--decisions {folder}: no decision points (.pt) there; make them with `kvgym ranker collect`")
+        raise ValueError(f"--decisions {folder}: no decision points (.pt) there; make them with `python -m benchmarks.ranker_tools collect`")
     start = time.perf_counter()
     decisions = Decisions(load_records(paths))
     prepare_s = time.perf_counter() - start

@@ -2,10 +2,11 @@
 layer (``cache.ranking.policy_features``) and keeps each layer's top-b on device (``keep_top``): it evicts,
 merges, prefetches and keeps by itself, with no budget fallback left to act.
 
-Parameters (``ranker:PATH,stay=2,blind_phase=prefill,blind=PATH,blind_prefill=true``): ``merge``, ``stay``
-(hysteresis), ``blind_phase`` (how a question-blind one-shot compression is presented, see
+Parameters (``ranker:PATH,stay=2,question_stay=0,blind_phase=prefill,blind=PATH,blind_prefill=true``): ``merge``,
+``stay`` (hysteresis), ``question_stay`` (the hysteresis at the question's decision point, where a block offloaded
+during the prefill may be the one the answer needs; default: ``stay``), ``blind_phase`` (how a question-blind one-shot compression is presented, see
 ``CacheView.question_read``), ``blind``: a second ranker file that makes the question-blind one-shot compressions
-instead (one trained for them, e.g. on KVzip's scores: `kvgym ranker train --target teacher`), and
+instead (one trained for them, e.g. on KVzip's scores: `python -m benchmarks.ranker_tools train --target teacher`), and
 ``blind_prefill``: it also makes the question-blind decisions of a streamed prefill; every other decision stays
 ``PATH``'s."""
 
@@ -29,6 +30,7 @@ class RankerController:
     path: str = "policies/ranker_smollm2.pt"
     merge: bool = True  # false: never merge (evict whatever falls out)
     stay: float = 0.0  # hysteresis: resident blocks rank this many score std devs higher (keep_top's ``stay``)
+    question_stay: float | None = None  # the hysteresis at the "question" decision point (None: ``stay``)
     # the phase a compression made before the question is read (``oneshot``) is shown to the policy as: its
     # training saw question-blind decisions only mid-prefill (streaming), and "compress" only with the question
     # read (``oneshot-question``); "compress" gives the features as recorded
@@ -40,9 +42,13 @@ class RankerController:
 
     def __post_init__(self):
         check_blind_phase(self.blind_phase)  # at construction, not at the first decision
-        if not 0.0 <= self.stay <= MAX_STAY:  # also refuses NaN
-            raise ValueError(f"ranker: stay={self.stay!r} is outside 0..{MAX_STAY:g} (score standard deviations a "
-                             "resident block is lifted by; 2 is the shipped setting)")
+        for name in ("stay", "question_stay"):
+            value = getattr(self, name)
+            if name == "question_stay" and value is None:
+                continue
+            if not 0.0 <= value <= MAX_STAY:  # also refuses NaN
+                raise ValueError(f"ranker: {name}={value!r} is outside 0..{MAX_STAY:g} (score standard deviations a "
+                                 "resident block is lifted by; 2 is the shipped setting)")
         if self.blind_prefill and not self.blind:
             raise ValueError("ranker: blind_prefill=true needs a blind file (blind=PATH) to make those decisions")
         model, self.summary = load_ranker(self.path)
@@ -57,4 +63,5 @@ class RankerController:
 
     def decide(self, view: CacheView) -> list[Decision]:
         keep, merge = self.scores(view)
-        return keep_top(view, keep, merge if self.merge else None, stay=self.stay)
+        stay = self.question_stay if view.phase == "question" and self.question_stay is not None else self.stay
+        return keep_top(view, keep, merge if self.merge else None, stay=stay)

@@ -121,7 +121,7 @@ def _read_ppo_zip(path: Path) -> dict:
         with zipfile.ZipFile(path) as archive:
             if PPO_ENTRY not in archive.namelist():
                 raise PolicyFileError(f"{path} is an SB3 zip but not a kvgym ranking policy: it lacks {PPO_ENTRY} "
-                                      "(train one with `kvgym train` or `kvgym ranker ppo`; the retired slot "
+                                      "(train one with `kvgym train` or `python -m benchmarks.ranker_tools ppo`; the retired slot "
                                       "policies are no longer read)")
             meta = json.loads(archive.read(PPO_ENTRY))
             weights = archive.read("policy.pth")
@@ -146,7 +146,7 @@ def load_ranker(path: str | Path) -> tuple[BlockScorer, dict]:
     ``PolicyFileError`` otherwise."""
     path = Path(path)
     if not path.is_file():
-        raise PolicyFileError(f"ranker file {path} does not exist (train one with `kvgym ranker train`)")
+        raise PolicyFileError(f"ranker file {path} does not exist (train one with `kvgym train`)")
     payload = _read_ppo_zip(path) if _is_sb3_zip(path) else _read_torch_file(path)
     return _checked_model(path, payload)
 

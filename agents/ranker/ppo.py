@@ -7,9 +7,9 @@ step). ``RankingPolicy`` is an SB3 ``ActorCriticPolicy`` whose actor **is** a
 ``BlockScorer``: the mean of a Gaussian over every block's keep score, one learned standard deviation shared by
 all blocks (only the candidates' scores enter the log-probability: padding and pinned rows decide nothing),
 and whose critic maps the mean and spread of the candidates' (standardised) features to the expected reward. It
-starts from a ranker file (the warm start: ``kvgym ranker train --rl-epochs 0``) or from scratch. With
+starts from a ranker file (the warm start: ``python -m benchmarks.ranker_tools train --rl-epochs 0``) or from scratch. With
 ``group`` > 1, groups of envs show the same decision and each sampled ranking is rewarded against the mean of
-the others (``GroupRelativeReward``: the leave-one-out baseline of ``kvgym ranker train``'s REINFORCE).
+the others (``GroupRelativeReward``: the leave-one-out baseline of ``python -m benchmarks.ranker_tools train``'s REINFORCE).
 
 ``train_ppo`` runs SB3's ``PPO.learn`` with a callback that scores the deterministic scorer (the mean) on the
 validation decisions every ``eval_every`` steps (TensorBoard, ``metrics.jsonl``), keeps the best as
@@ -122,7 +122,7 @@ class RankingReplayVecEnv(VecEnv):
 class RankingPolicy(ActorCriticPolicy):
     """Gaussian keep scores around a ``BlockScorer``'s, for ``RankingReplayEnv``'s Dict observation; critic: an
     MLP of the candidates' feature mean and spread (cheap: the per-block work is the actor's). ``log_std_init``: the exploration noise's starting log std (in
-    score units; the Plackett–Luce sampling of ``kvgym ranker train`` has Gumbel noise of std 1.28);
+    score units; the Plackett–Luce sampling of ``python -m benchmarks.ranker_tools train`` has Gumbel noise of std 1.28);
     ``learn_std`` False keeps it there (PPO otherwise shrinks it as the mean improves, and explores less)."""
 
     def __init__(self, observation_space, action_space, lr_schedule, hidden: int = 64, log_std_init: float = 0.0,
@@ -188,7 +188,7 @@ def save_ppo_ranker(model: PPO, path: str | Path, summary: dict | None = None) -
 
 class GroupRelativeReward(VecEnvWrapper):
     """Each env's reward minus the mean reward of the other members of its group (the same decision, other
-    sampled rankings): the leave-one-out baseline of ``kvgym ranker train``'s REINFORCE, inside PPO. The
+    sampled rankings): the leave-one-out baseline of ``python -m benchmarks.ranker_tools train``'s REINFORCE, inside PPO. The
     regret varies far more between decisions than between rankings of one decision, which a critic of the state
     has to learn; this baseline removes it exactly. ``info["regret"]`` keeps each ranking's own regret."""
 

@@ -7,7 +7,7 @@
 # ~40 s a 2k sample on one thread; reruns resume.
 set -euo pipefail
 D=${DATA:-data/generalization}
-C="kvgym ranker collect --drivers quest,tova --streaming-budgets 0.25,0.125 --host-blocks 512"
+C="python -m benchmarks.ranker_tools collect --drivers quest,tova --streaming-budgets 0.25,0.125 --host-blocks 512"
 $C --tasks families_train --lengths 2048 --n 24 --seed 201 --no-chat --out $D/train
 $C --tasks families_train --lengths 2048 --n 6 --seed 205 --no-chat --out $D/validation
 $C --tasks families_train --lengths 2048 --n 3 --seed 206 --out $D/validation

@@ -10,7 +10,7 @@
 set -euo pipefail
 D=${DATA:-data/generalization}
 R=${RUNS:-runs/generalization}
-T="kvgym ranker train --train $D/train --validation $D/validation --budgets 0.0625,0.125,0.25,0.5"
+T="python -m benchmarks.ranker_tools train --train $D/train --validation $D/validation --budgets 0.0625,0.125,0.25,0.5"
 $T --warm-epochs 30 --rl-epochs 0 --drop-features position --out $R/ranker   # -> policies/ranker_smollm2.pt
 for group in none place attention; do   # page_bound, keys, query_similarity, context: not run yet
   drop=$([ $group = none ] && echo "" || echo $group)
@@ -19,5 +19,5 @@ done
 P="v1_shipped=policies/ranker_v1_smollm2.pt,new=$R/ranker/ranker.pt"
 for group in none place attention; do P="$P,$group=$R/ablation_$group/ranker.pt"; done
 mkdir -p results/generalization
-kvgym ranker regret --records $D/test_heldout --policies "$P" --reference v1_shipped --json results/generalization/regret_heldout.json
-kvgym ranker regret --records $D/validation --policies "$P" --reference v1_shipped --json results/generalization/regret_validation.json
+python -m benchmarks.ranker_tools regret --records $D/test_heldout --policies "$P" --reference v1_shipped --json results/generalization/regret_heldout.json
+python -m benchmarks.ranker_tools regret --records $D/validation --policies "$P" --reference v1_shipped --json results/generalization/regret_validation.json

@@ -1,4 +1,4 @@
-"""What output_error.py and output_grad.py share: the decision points of a `kvgym ranker fidelity` JSON, the
+"""What output_error.py and output_grad.py share: the decision points of a `python -m benchmarks.ranker_tools fidelity` JSON, the
 policies it scored, a hook that captures each layer's queries / keys / values, and each block's term of a
 layer's attention output (``c_b = Σ_{i∈b} p_i (v_i − o)`` per head)."""
 import gzip

@@ -1,6 +1,6 @@
 """Exploration (not a kvgym command): which replay-regret variant ranks the fidelity policies as live KL does.
 
-Reuses the live KL rows of a `kvgym ranker fidelity` JSON (the random policy's live side is rerun with its
+Reuses the live KL rows of a `python -m benchmarks.ranker_tools fidelity` JSON (the random policy's live side is rerun with its
 fixed ranking), recomputes each sample's decision point and writes every policy's per-layer regrets under
 several variants to variants_seed<SEED>.json; analyze_variants.py gives the Spearman per variant.
 

@@ -1,7 +1,7 @@
 """Exploration (not a kvgym command): does a replay target that sees the attention *output* rank the fidelity
 policies as live KL does?
 
-For every sample of a `kvgym ranker fidelity` JSON (same seed, n, tasks, budgets, policies) this recomputes the
+For every sample of a `python -m benchmarks.ranker_tools fidelity` JSON (same seed, n, tasks, budgets, policies) this recomputes the
 decision point and, in one full-cache forward of the teacher-forced answer, captures each layer's queries, keys
 and values (the queries are the full cache's: each layer is scored in isolation, nothing propagates). For every
 policy's per-layer kept blocks (the same top-b as the replay regret and LiveDecision) it computes, per layer, the

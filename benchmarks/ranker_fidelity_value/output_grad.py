@@ -1,7 +1,7 @@
 """Exploration (not a kvgym command): a **storable** output-aware replay target, the first-order effect of each
 dropped block on the answer's next-token distributions, through every later layer.
 
-For every sample of a `kvgym ranker fidelity` JSON this recomputes the decision point and runs the teacher-forced
+For every sample of a `python -m benchmarks.ranker_tools fidelity` JSON this recomputes the decision point and runs the teacher-forced
 answer once with gradients: for each of the ``top`` most likely tokens ``y`` at each answer position ``q`` (the
 full cache's distribution ``p``), the gradient ``g`` of ``log p(y)`` with respect to every layer's attention
 contribution to the residual stream (``o_proj``'s output; a total derivative: through all later layers and later

@@ -1,5 +1,5 @@
 """Offline check of rankers on question-blind (``oneshot``) decision points recorded with KVzip's scores as a
-teacher (``kvgym ranker collect --blind --blind-only --teacher kvzip``, validation seed 102): per budget, each
+teacher (``python -m benchmarks.ranker_tools collect --blind --blind-only --teacher kvzip``, validation seed 102): per budget, each
 ranking's share of needle blocks kept on device (the measure that agreed with live accuracy in
 ``results/ranker_blind_replay``), its overlap with KVzip's kept set, and its regret against KVzip's scores.
 

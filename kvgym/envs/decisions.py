@@ -301,8 +301,8 @@ def _save(record: dict, path: Path) -> None:
 TARGETS = {"future": "future_heads", "teacher": "teacher_heads", "future_value": "value_norms"}
 TARGET_SOURCES = {  # where a record gets what each target needs
     "future": "every record has it",
-    "teacher": "collect them with a teacher: `kvgym ranker collect --blind --teacher`",
-    "future_value": "recorded by `kvgym ranker collect` since value norms are: collect them again",
+    "teacher": "collect them with a teacher: `python -m benchmarks.ranker_tools collect --blind --teacher`",
+    "future_value": "recorded by `python -m benchmarks.ranker_tools collect` since value norms are: collect them again",
 }
 
 
@@ -333,12 +333,12 @@ class Decisions:
         if target not in TARGETS:
             raise ValueError(f"Decisions target: expected one of {', '.join(TARGETS)}, got {target!r}")
         if not records:
-            raise ValueError("Decisions: no records (collect some with `kvgym ranker collect`)")
+            raise ValueError("Decisions: no records (collect some with `python -m benchmarks.ranker_tools collect`)")
         if not needle_weight >= 0:
             raise ValueError(f"Decisions needle_weight: expected a weight >= 0, got {needle_weight!r}")
         if needle_weight and any("answer_blocks" not in r for r in records):
             raise ValueError("Decisions needle_weight: records without answer_blocks (collected by an older kvgym: "
-                             "rerun `kvgym ranker collect` on their folder, it adds them)")
+                             "rerun `python -m benchmarks.ranker_tools collect` on their folder, it adds them)")
         untaught = sum(TARGETS[target] not in r for r in records)
         if untaught:
             raise ValueError(f"Decisions target {target!r}: {untaught} of {len(records)} records have no "
@@ -412,10 +412,10 @@ def load_records(paths: list[Path]) -> list[dict]:
         try:
             record = torch.load(path, weights_only=True)
         except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged or foreign file)
-            raise ValueError(f"{path}: not a decision point of `kvgym ranker collect` ({type(error).__name__}); "
+            raise ValueError(f"{path}: not a decision point of `python -m benchmarks.ranker_tools collect` ({type(error).__name__}); "
                              "remove it or collect it again (a rerun of collect rewrites missing files)") from None
         if not isinstance(record, dict) or not {"features", "future_heads", "context_tokens"} <= set(record):
-            raise ValueError(f"{path}: not a decision point of `kvgym ranker collect` (no features / future_heads); "
+            raise ValueError(f"{path}: not a decision point of `python -m benchmarks.ranker_tools collect` (no features / future_heads); "
                              "remove it or collect it again")
         others = record.pop("other_states", [])
         records.append(record)
