@@ -255,7 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--json", type=Path, default=None, help="also write the rows here")
     report = commands.add_parser(
         "report", help="rewrite a results folder's summary (md, csv, plots) from every record in its samples.jsonl")
-    report.add_argument("folder", type=Path, help="a folder written by kvgym eval (possibly by several runs)")
+    report.add_argument("folders", type=Path, nargs="+", metavar="FOLDER",
+                        help="a folder written by kvgym eval (possibly by several runs); several with --leaderboard")
+    report.add_argument("--leaderboard", type=Path, default=None, metavar="OUT",
+                        help="rank the methods of all FOLDERs: accuracy vs compression per setting (protocol, prompt "
+                             "form, host tier), one plot and one ranked table each, in OUT/leaderboard.{md,json,png}")
+    report.add_argument("--min-full", type=float, default=0.8,
+                        help="with --leaderboard: cells count only where the full cache scores at least this")
     report.add_argument("--no-plots", action="store_true")
     board = commands.add_parser("tensorboard", help="start TensorBoard on the training runs (offline)")
     board.add_argument("--logdir", type=Path, default=Path("runs"))
@@ -553,18 +559,30 @@ def cmd_compare(args) -> int:
 
 def cmd_report(args) -> int:
     """``kvgym eval`` summarises the cells it was asked for; runs added to one folder by several commands (other
-    controllers, budgets or n) are summarised together here. A record run twice (same key) counts once."""
+    controllers, budgets or n) are summarised together here. A record run twice (same key) counts once. With
+    ``--leaderboard`` the methods of every folder are ranked per setting (``eval.leaderboard``)."""
     from eval.harness import record_key
     from eval.report import read_jsonl, records_file, write_report
 
-    samples = records_file(args.folder / "samples.jsonl")
+    if args.leaderboard is not None:
+        from eval.leaderboard import leaderboard_md, write_leaderboard
+
+        boards = write_leaderboard(args.folders, args.leaderboard, args.min_full, plots=not args.no_plots)
+        print(leaderboard_md(boards))
+        print(f"wrote {args.leaderboard / 'leaderboard.md'}, leaderboard.json" + ("" if args.no_plots else ", leaderboard.png"))
+        return 0
+    if len(args.folders) > 1:
+        raise ValueError(f"report: {len(args.folders)} folders given; one folder's summary at a time, or several "
+                         "with --leaderboard OUT")
+    folder = args.folders[0]
+    samples = records_file(folder / "samples.jsonl")
     if not samples.is_file():
-        raise ValueError(f"{args.folder}: no samples.jsonl in it; give a folder written by kvgym eval")
+        raise ValueError(f"{folder}: no samples.jsonl in it; give a folder written by kvgym eval")
     records = list({record_key(record): record for record in read_jsonl(samples, SAMPLE_FIELDS)}.values())
     if not records:
         raise ValueError(f"{samples}: no records")
-    rows = write_report(records, args.folder, plots=not args.no_plots)
-    print(f"{args.folder / 'summary.md'}: {len(rows)} rows from {len(records)} records")
+    rows = write_report(records, folder, plots=not args.no_plots)
+    print(f"{folder / 'summary.md'}: {len(rows)} rows from {len(records)} records")
     return 0
 
 
