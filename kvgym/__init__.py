@@ -7,3 +7,9 @@ register(
     entry_point="kvgym.envs.kvcache:KVCacheEnv",
     max_episode_steps=4096,
 )
+
+register(
+    id="kvgym/KVCacheReplay-v1",  # its replay twin over recorded full-cache runs (kvgym.envs.kvcache_replay)
+    entry_point="kvgym.envs.kvcache_replay:KVCacheReplayEnv",
+    max_episode_steps=4096,
+)

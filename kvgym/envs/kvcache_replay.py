@@ -1,0 +1,329 @@
+"""``kvgym/KVCacheReplay-v1``: ``KVCache-v1``'s spaces and multi-step episodes, replayed from recorded full-cache
+runs without a model (thousands of steps per second), for training on what the one-step replay cannot show:
+bytes moved, and choices that carry over from one decision point to the next.
+
+**Recording** (``record_episode``): the sample runs once with the full cache through the same runner and protocol
+(``streaming`` or ``multiturn``), a decision after every forward pass. At each forward pass that is a decision
+point of the live env (every prefill chunk, the question, decode step 0 and every ``decide_every`` steps, and a
+decode step that starts a new block, where a live cache at its budget goes over it) the recorder keeps every
+block's ranking features (``cache.ranking.policy_features`` of the full cache's view); between two decision
+points it sums the attention each block receives from every query (per query head; the **future mass** of the
+earlier point is its max over heads).
+
+**Replay** (``KVCacheReplayEnv``): the tiers of every block are the episode's state. A step applies the action as
+``keep_top`` does: each layer keeps its pinned blocks (the sinks and the newest) and its highest keep scores up
+to its budget; a block that falls out goes to the host tier while it has room, else it is dropped (gone for
+good); a host block that rises in is prefetched. New blocks arrive on the device. The observation is the
+recorded features with what the replay's state decides written over them (valid, tier, layer pressure and
+budget; ``layers`` and ``globals`` as the live env computes them); attention features stay the full cache's (a
+live cache only sees attention to its resident blocks: the approximation ``benchmarks/replay_fidelity_v1.py``
+measures). Reward per step: minus ``mass_weight`` times the share of the future mass that falls on blocks off the
+device until the next decision point (mean over layers), minus ``transfer_cost`` per MB moved, per tier pair as
+in the live env. No answer is decoded; a merge (live: the block folded into its neighbours) is replayed as a drop.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium import spaces
+
+from cache.controller import PHASES, CacheView
+from cache.paged_cache import CacheConfig
+from cache.ranking import BUDGET_COLUMN, NUM_RANK_FEATURES, PRESSURE_COLUMN, RANK_FEATURES, policy_features
+from cache.runner import Runner
+from cache.tiers import Tier
+from kvgym.envs.kvcache import GLOBAL_COLUMNS, LAYER_COLUMNS, TIER_PAIRS
+
+VALID_COLUMN = RANK_FEATURES.index("valid")
+TIER_COLUMNS = [RANK_FEATURES.index(f"tier_{name}") for name in ("device", "host", "disk")]
+EPISODE_FORMAT = "kvgym-replay-episode"
+NOT_YET = -1  # a block the run has not reached yet
+
+
+class _Recorder:
+    """The full-cache run's controller: features at the live env's decision points, attention between them."""
+
+    def __init__(self, decide_every: int):
+        self.decide_every = decide_every
+        self.points: list[dict] = []
+        self._pending: torch.Tensor | None = None  # [L, H, N] summed since the last decision point
+        self._decode_step, self._blocks = 0, 0
+        self.block_bytes = 0
+
+    def _close(self) -> None:
+        if self.points and self._pending is not None:
+            self.points[-1]["future"] = self._pending.amax(dim=1).float().numpy()
+        self._pending = None
+
+    def decide(self, view: CacheView) -> list:
+        self.block_bytes = view.cache.pools[0][Tier.DEVICE].bytes_per_block
+        heads = view.last_mass_heads
+        if heads is not None and self.points:
+            heads = heads.double()
+            if self._pending is not None:
+                grown = torch.zeros(heads.shape, dtype=torch.float64)
+                grown[..., : self._pending.shape[-1]] = self._pending
+                heads = heads + grown
+            self._pending = heads
+        if view.phase == "decode":
+            live = self._decode_step % self.decide_every == 0 or view.num_blocks > self._blocks
+            self._decode_step += 1
+        else:
+            live, self._decode_step = True, 0
+        self._blocks = view.num_blocks
+        if live:
+            self._close()
+            self.points.append({"features": torch.from_numpy(policy_features(view)).half(), "phase": view.phase,
+                                "question_read": bool(view.question_read), "seen": int(view.seen)})
+        return []
+
+    def finish(self) -> list[dict]:
+        self._close()
+        last = self.points[-1] if self.points else None
+        if last is not None and "future" not in last:
+            last["future"] = np.zeros(last["features"].shape[:2], np.float32)
+        return self.points
+
+
+def record_episode(model, tokenizer, prompt, max_new_tokens: int, protocol: str = "streaming", block_size: int = 16,
+                   prefill_chunk: int = 64, decide_every: int = 8, meta: dict | None = None) -> dict:
+    """One sample's recorded full-cache run (see the module docstring) as a dict ``torch.save`` can write."""
+    if protocol not in ("streaming", "multiturn"):
+        raise ValueError(f"protocol {protocol!r}: the replay twin records streaming or multiturn episodes (one-shot "
+                         "decisions replay in kvgym.envs.decisions.RankingReplayEnv)")
+    total = len(prompt.ids) + sum(len(t) for t in prompt.turns) + (len(prompt.turns) + 1) * max_new_tokens
+    config = CacheConfig(block_size=block_size, stats_window=max(64, prefill_chunk))
+    recorder = _Recorder(decide_every)
+    runner = Runner(model, tokenizer, cache_config=config, controller=recorder,
+                    budget=max(-(-total // block_size), config.sink_blocks + 1), prefill_chunk=prefill_chunk,
+                    decide_every=1, protocol=protocol)
+    result = runner.run(prompt, max_new_tokens=max_new_tokens)
+    if result.operations.get("evict", 0) or result.fallbacks:
+        raise RuntimeError("record_episode: the full cache's run evicted blocks")
+    points = recorder.finish()
+    return {"format": EPISODE_FORMAT, "features": [p["features"] for p in points],
+            "future": [torch.from_numpy(p["future"]) for p in points], "phases": [p["phase"] for p in points],
+            "question_read": [p["question_read"] for p in points], "seen": [p["seen"] for p in points],
+            "context_tokens": int(prompt.context_tokens), "total_tokens": int(total),
+            "num_layers": model.config.num_hidden_layers, "block_bytes": recorder.block_bytes, "block_size": block_size,
+            "sink_blocks": config.sink_blocks, "protocol": protocol, "text": result.text, **(meta or {})}
+
+
+def record_episodes(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed: int, out: str | Path,
+                    protocol: str = "streaming", chat: bool = False, block_size: int = 16, prefill_chunk: int = 64,
+                    decide_every: int = 8, log=print) -> list[Path]:
+    """``n`` samples per task × length (task seed ``seed``) recorded into ``out`` (one ``.pt`` each; existing files
+    are kept, so a killed recording resumes)."""
+    from eval.tasks import generate
+    from eval.tasks.prompt import build_prompt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for task in tasks:
+        for length in lengths:
+            for index in range(n):
+                path = out / f"{task}_{length}_s{seed}_{index}_{protocol}{'_chat' if chat else ''}.pt"
+                paths.append(path)
+                if path.exists():
+                    continue
+                sample = generate(task, tokenizer, length, seed=seed, index=index)
+                prompt = build_prompt(tokenizer, sample, chat)
+                meta = {"task": task, "length": length, "seed": seed, "index": index, "chat": chat}
+                episode = record_episode(model, tokenizer, prompt, sample.max_new_tokens, protocol, block_size,
+                                         prefill_chunk, decide_every, meta)
+                tmp = path.with_suffix(".tmp")
+                torch.save(episode, tmp)
+                tmp.replace(path)
+                log(f"{path.name}: {len(episode['features'])} decision points")
+    return paths
+
+
+def load_episodes(source) -> list[dict]:
+    """Episodes from a folder of ``record_episodes``' files, a list of paths, or a list of episode dicts."""
+    if isinstance(source, (str, Path)):
+        folder = Path(source)
+        paths = sorted(folder.glob("*.pt")) if folder.is_dir() else []
+        if not paths:
+            raise ValueError(f"episodes {source}: no recorded episodes (.pt) there; record them with "
+                             "kvgym.envs.kvcache_replay.record_episodes")
+        source = paths
+    episodes = []
+    for item in source:
+        if isinstance(item, dict):
+            episode = item
+        else:
+            try:
+                episode = torch.load(item, weights_only=True)
+            except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged file)
+                raise ValueError(f"{item}: not a recorded episode ({type(error).__name__}); record it again") from None
+        if not isinstance(episode, dict) or episode.get("format") != EPISODE_FORMAT:
+            raise ValueError(f"{item if not isinstance(item, dict) else 'an episode'}: not a recorded episode")
+        episodes.append(episode)
+    if not episodes:
+        raise ValueError("episodes: none given")
+    return episodes
+
+
+class KVCacheReplayEnv(gym.Env):
+    """See the module docstring. ``episodes``: a folder, paths or dicts (``load_episodes``); ``max_tokens`` fixes
+    the observation's block axis as the live env's does (default: the longest episode's)."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, episodes, budget_range=(0.125, 0.5), host_blocks: int = 0, transfer_cost: float | dict = 0.0,
+                 mass_weight: float = 1.0, max_tokens: int | None = None):
+        self.episodes = load_episodes(episodes)
+        low, high = budget_range
+        if not 0.0 < low <= high <= 1.0:
+            raise ValueError(f"budget_range {budget_range!r}: need 0 < low <= high <= 1")
+        if isinstance(host_blocks, bool) or not isinstance(host_blocks, int) or host_blocks < 0:
+            raise ValueError(f"host_blocks {host_blocks!r}: must be an integer >= 0")
+        costs = transfer_cost if isinstance(transfer_cost, dict) else dict.fromkeys(TIER_PAIRS, transfer_cost)
+        unknown = sorted(set(costs) - set(TIER_PAIRS))
+        if unknown:
+            raise ValueError(f"transfer_cost: unknown tier pairs {unknown}; the pairs are {', '.join(TIER_PAIRS)}")
+        for name, value in [*((f"transfer_cost {pair}", c) for pair, c in costs.items()), ("mass_weight", mass_weight)]:
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} {value!r}: must be a finite number >= 0")
+        first = self.episodes[0]
+        self.num_layers, self.block_size = first["num_layers"], first["block_size"]
+        self.max_tokens = max_tokens or max(int(1.25 * e["total_tokens"]) + 256 for e in self.episodes)
+        self.max_blocks = math.ceil(self.max_tokens / self.block_size)
+        if max(f.shape[1] for e in self.episodes for f in e["features"]) > self.max_blocks:
+            raise ValueError(f"max_tokens {self.max_tokens}: an episode holds more blocks than the observation")
+        self.budget_range, self.host_blocks, self.mass_weight = (low, high), host_blocks, float(mass_weight)
+        self.transfer_cost = {pair: float(c) for pair, c in costs.items()}
+        shape = (self.num_layers, self.max_blocks)
+        self.observation_space = spaces.Dict({
+            "blocks": spaces.Box(-np.inf, np.inf, (*shape, NUM_RANK_FEATURES), np.float32),
+            "mask": spaces.Box(0.0, 1.0, shape, np.float32),
+            "layers": spaces.Box(-np.inf, np.inf, (self.num_layers, len(LAYER_COLUMNS)), np.float32),
+            "globals": spaces.Box(-np.inf, np.inf, (len(GLOBAL_COLUMNS),), np.float32),
+        })
+        self.action_space = spaces.Box(-1.0, 1.0, (*shape, 2), np.float32)
+        self._episode: dict | None = None
+
+    # ------------------------------------------------------------------ gymnasium API
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        options = dict(options or {})
+        unknown = sorted(set(options) - {"episode", "budget"})
+        if unknown:
+            raise ValueError(f"reset options {unknown}: the options are episode (an index) and budget")
+        index = int(options.get("episode", self.np_random.integers(len(self.episodes))))
+        if not 0 <= index < len(self.episodes):
+            raise ValueError(f"reset option episode {index}: this env holds {len(self.episodes)} episodes")
+        budget = float(options.get("budget", self.np_random.uniform(*self.budget_range)))
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"reset option budget {budget!r}: a fraction in (0, 1]")
+        episode = self._episode = self.episodes[index]
+        self._budget = budget
+        blocks = math.ceil(budget * episode["context_tokens"] / self.block_size)
+        self._budget_blocks = max(blocks, episode["sink_blocks"] + 1)
+        self._tier = np.full((self.num_layers, self.max_blocks), NOT_YET, np.int8)
+        self._point, self._moved_mb = 0, 0.0
+        self._arrive()
+        info = {"episode": index, "budget": budget, "task": episode.get("task"), "steps": len(episode["features"])}
+        return self._observation(), info
+
+    def step(self, action):
+        if self._episode is None:
+            raise gym.error.ResetNeeded("step() before reset() or after the episode ended: call reset()")
+        action = np.asarray(action, np.float32)
+        if action.shape != self.action_space.shape or not np.isfinite(action).all():
+            raise ValueError(f"action: expected finite values of shape {self.action_space.shape}, got "
+                             f"{action.shape}" + ("" if np.isfinite(action).all() else " with NaN or inf"))
+        episode, point = self._episode, self._point
+        moved = self._apply(action[:, :, 0], action[:, :, 1])
+        lost = self._lost_share(np.asarray(episode["future"][point], np.float64))
+        mb = {pair: count * episode["block_bytes"] / 1e6 for pair, count in moved.items()}
+        cost = sum(self.transfer_cost[pair] * value for pair, value in mb.items())
+        self._moved_mb += sum(mb.values())
+        reward = -self.mass_weight * lost - cost
+        info = {"lost_mass": lost, "mb_moved": sum(mb.values()), "transfer_cost": cost,
+                "device_blocks": int((self._tier == Tier.DEVICE).sum())}
+        self._point += 1
+        if self._point >= len(episode["features"]):
+            observation = self._observation(point)
+            self._episode = None
+            return observation, float(reward), True, False, info
+        self._arrive()
+        return self._observation(), float(reward), False, False, info
+
+    # ------------------------------------------------------------------ replay mechanics
+    def _arrive(self) -> None:
+        """Blocks the run reached since the last decision point arrive on the device."""
+        n = self._episode["features"][self._point].shape[1]
+        fresh = self._tier[:, :n] == NOT_YET
+        self._tier[:, :n][fresh] = Tier.DEVICE
+
+    def _pinned(self, n: int) -> np.ndarray:
+        pinned = np.zeros((self.num_layers, n), bool)
+        pinned[:, : self._episode["sink_blocks"]] = True
+        pinned[:, n - 1] = True
+        return pinned
+
+    def _apply(self, scores: np.ndarray, merge: np.ndarray) -> dict[str, int]:
+        """``keep_top``'s rule on the replay's tiers; returns the blocks moved per tier pair. A block that leaves
+        with a merge logit > 0 is merged live (folded into its neighbours: no bytes move); here it is dropped."""
+        n = self._episode["features"][self._point].shape[1]
+        tier, pinned = self._tier[:, :n], self._pinned(n)
+        live = tier != Tier.DROPPED
+        candidates = live & ~pinned
+        room = np.maximum(self._budget_blocks - (pinned & live).sum(axis=1), 0)
+        keyed = np.where(candidates, scores[:, :n].astype(np.float64), -np.inf)
+        order = np.argsort(-keyed, axis=1, kind="stable")
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(n)[None], axis=1)
+        chosen = candidates & (rank < room[:, None])
+        leaving = (tier == Tier.DEVICE) & candidates & ~chosen
+        arriving = chosen & (tier == Tier.HOST)
+        merged = leaving & (merge[:, :n] > 0)
+        evicted = leaving & ~merged
+        tier[arriving] = Tier.DEVICE  # prefetches free their host slots first, as keep_top orders them
+        host_free = np.maximum(self.host_blocks - (tier == Tier.HOST).sum(axis=1), 0)
+        to_host = evicted & (np.cumsum(evicted, axis=1) <= host_free[:, None])
+        tier[to_host] = Tier.HOST
+        tier[leaving & ~to_host] = Tier.DROPPED
+        return {"host->device": int(arriving.sum()), "device->host": int(to_host.sum())}
+
+    def _lost_share(self, future: np.ndarray) -> float:
+        """Share of each layer's future mass on blocks off the device (blocks the interval creates count as on it)."""
+        n = min(future.shape[1], self.max_blocks)
+        off = np.isin(self._tier[:, :n], (Tier.HOST, Tier.DISK, Tier.DROPPED))
+        total = future[:, :n].sum(axis=1)
+        lost = np.where(off, future[:, :n], 0.0).sum(axis=1)
+        return float(np.mean(np.where(total > 0, lost / np.where(total > 0, total, 1.0), 0.0)))
+
+    def _observation(self, point: int | None = None) -> dict:
+        episode = self._episode
+        point = self._point if point is None else point
+        features = episode["features"][point]
+        n = features.shape[1]
+        tier = self._tier[:, :n]
+        blocks = np.zeros(self.observation_space["blocks"].shape, np.float32)
+        blocks[:, :n] = features.float().numpy()
+        valid = tier != Tier.DROPPED
+        existing = np.maximum(valid.sum(axis=1), 1)
+        device = (tier == Tier.DEVICE).sum(axis=1)
+        blocks[:, :n, VALID_COLUMN] = valid
+        for column, value in zip(TIER_COLUMNS, (Tier.DEVICE, Tier.HOST, Tier.DISK), strict=True):
+            blocks[:, :n, column] = tier == value
+        blocks[:, :n, PRESSURE_COLUMN] = (device / self._budget_blocks)[:, None]
+        blocks[:, :n, BUDGET_COLUMN] = self._budget_blocks / max(n, 1)
+        blocks[:, :n][~valid] = 0.0
+        mask = np.zeros(self.observation_space["mask"].shape, np.float32)
+        mask[:, :n] = valid
+        layers = np.stack([device / self._budget_blocks, np.full(self.num_layers, self._budget_blocks) / existing,
+                           *[(tier == t).sum(axis=1) / existing for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)]],
+                          axis=1).astype(np.float32)
+        glob = np.array([*[float(episode["phases"][point] == p) for p in PHASES], float(episode["question_read"][point]),
+                         episode["seen"][point] / max(episode["total_tokens"], 1), self._budget, self._moved_mb],
+                        np.float32)
+        return {"blocks": blocks, "mask": mask, "layers": layers, "globals": glob}
