@@ -43,6 +43,7 @@ VALID_COLUMN = RANK_FEATURES.index("valid")
 TIER_COLUMNS = [RANK_FEATURES.index(f"tier_{name}") for name in ("device", "host", "disk")]
 EPISODE_FORMAT = "kvgym-replay-episode"
 NOT_YET = -1  # a block the run has not reached yet
+DEVICE, HOST, DISK, DROPPED = (int(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.DROPPED))  # plain ints: fast
 
 
 class _Recorder:
@@ -191,6 +192,9 @@ class KVCacheReplayEnv(gym.Env):
         for name, value in [*((f"transfer_cost {pair}", c) for pair, c in costs.items()), ("mass_weight", mass_weight)]:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r}: must be a finite number >= 0")
+        self.episodes = [{**episode,  # numpy once (the steps read them thousands of times); the caller's dicts untouched
+                          "features": [np.asarray(f, np.float16) for f in episode["features"]],
+                          "future": [np.asarray(f, np.float64) for f in episode["future"]]} for episode in self.episodes]
         first = self.episodes[0]
         self.num_layers, self.block_size = first["num_layers"], first["block_size"]
         self.max_tokens = max_tokens or max(int(1.25 * e["total_tokens"]) + 256 for e in self.episodes)
@@ -241,13 +245,12 @@ class KVCacheReplayEnv(gym.Env):
                              f"{action.shape}" + ("" if np.isfinite(action).all() else " with NaN or inf"))
         episode, point = self._episode, self._point
         moved = self._apply(action[:, :, 0], action[:, :, 1])
-        lost = self._lost_share(np.asarray(episode["future"][point], np.float64))
+        lost = self._lost_share(episode["future"][point])
         mb = {pair: count * episode["block_bytes"] / 1e6 for pair, count in moved.items()}
         cost = sum(self.transfer_cost[pair] * value for pair, value in mb.items())
         self._moved_mb += sum(mb.values())
         reward = -self.mass_weight * lost - cost
-        info = {"lost_mass": lost, "mb_moved": sum(mb.values()), "transfer_cost": cost,
-                "device_blocks": int((self._tier == Tier.DEVICE).sum())}
+        info = {"lost_mass": lost, "mb_moved": sum(mb.values()), "transfer_cost": cost}
         self._point += 1
         if self._point >= len(episode["features"]):
             observation = self._observation(point)
@@ -260,8 +263,8 @@ class KVCacheReplayEnv(gym.Env):
     def _arrive(self) -> None:
         """Blocks the run reached since the last decision point arrive on the device."""
         n = self._episode["features"][self._point].shape[1]
-        fresh = self._tier[:, :n] == NOT_YET
-        self._tier[:, :n][fresh] = Tier.DEVICE
+        tier = self._tier[:, :n]
+        tier[tier == NOT_YET] = DEVICE
 
     def _pinned(self, n: int) -> np.ndarray:
         pinned = np.zeros((self.num_layers, n), bool)
@@ -274,7 +277,7 @@ class KVCacheReplayEnv(gym.Env):
         with a merge logit > 0 is merged live (folded into its neighbours: no bytes move); here it is dropped."""
         n = self._episode["features"][self._point].shape[1]
         tier, pinned = self._tier[:, :n], self._pinned(n)
-        live = tier != Tier.DROPPED
+        live = tier != DROPPED
         candidates = live & ~pinned
         room = np.maximum(self._budget_blocks - (pinned & live).sum(axis=1), 0)
         keyed = np.where(candidates, scores[:, :n].astype(np.float64), -np.inf)
@@ -282,21 +285,22 @@ class KVCacheReplayEnv(gym.Env):
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.arange(n)[None], axis=1)
         chosen = candidates & (rank < room[:, None])
-        leaving = (tier == Tier.DEVICE) & candidates & ~chosen
-        arriving = chosen & (tier == Tier.HOST)
+        leaving = (tier == DEVICE) & candidates & ~chosen
+        arriving = chosen & (tier == HOST)
         merged = leaving & (merge[:, :n] > 0)
         evicted = leaving & ~merged
-        tier[arriving] = Tier.DEVICE  # prefetches free their host slots first, as keep_top orders them
-        host_free = np.maximum(self.host_blocks - (tier == Tier.HOST).sum(axis=1), 0)
+        tier[arriving] = DEVICE  # prefetches free their host slots first, as keep_top orders them
+        host_free = np.maximum(self.host_blocks - (tier == HOST).sum(axis=1), 0)
         to_host = evicted & (np.cumsum(evicted, axis=1) <= host_free[:, None])
-        tier[to_host] = Tier.HOST
-        tier[leaving & ~to_host] = Tier.DROPPED
+        tier[to_host] = HOST
+        tier[leaving & ~to_host] = DROPPED
         return {"host->device": int(arriving.sum()), "device->host": int(to_host.sum())}
 
     def _lost_share(self, future: np.ndarray) -> float:
         """Share of each layer's future mass on blocks off the device (blocks the interval creates count as on it)."""
         n = min(future.shape[1], self.max_blocks)
-        off = np.isin(self._tier[:, :n], (Tier.HOST, Tier.DISK, Tier.DROPPED))
+        tier = self._tier[:, :n]
+        off = (tier != DEVICE) & (tier != NOT_YET)
         total = future[:, :n].sum(axis=1)
         lost = np.where(off, future[:, :n], 0.0).sum(axis=1)
         return float(np.mean(np.where(total > 0, lost / np.where(total > 0, total, 1.0), 0.0)))
@@ -308,21 +312,20 @@ class KVCacheReplayEnv(gym.Env):
         n = features.shape[1]
         tier = self._tier[:, :n]
         blocks = np.zeros(self.observation_space["blocks"].shape, np.float32)
-        blocks[:, :n] = features.float().numpy()
-        valid = tier != Tier.DROPPED
+        blocks[:, :n] = features
+        valid = tier != DROPPED
         existing = np.maximum(valid.sum(axis=1), 1)
-        device = (tier == Tier.DEVICE).sum(axis=1)
+        on = [tier == value for value in (DEVICE, HOST, DISK)]
+        device = on[0].sum(axis=1)
         blocks[:, :n, VALID_COLUMN] = valid
-        for column, value in zip(TIER_COLUMNS, (Tier.DEVICE, Tier.HOST, Tier.DISK), strict=True):
-            blocks[:, :n, column] = tier == value
+        for column, where in zip(TIER_COLUMNS, on, strict=True):
+            blocks[:, :n, column] = where
         blocks[:, :n, PRESSURE_COLUMN] = (device / self._budget_blocks)[:, None]
         blocks[:, :n, BUDGET_COLUMN] = self._budget_blocks / max(n, 1)
-        blocks[:, :n][~valid] = 0.0
         mask = np.zeros(self.observation_space["mask"].shape, np.float32)
         mask[:, :n] = valid
         layers = np.stack([device / self._budget_blocks, np.full(self.num_layers, self._budget_blocks) / existing,
-                           *[(tier == t).sum(axis=1) / existing for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)]],
-                          axis=1).astype(np.float32)
+                           *[where.sum(axis=1) / existing for where in on]], axis=1).astype(np.float32)
         glob = np.array([*[float(episode["phases"][point] == p) for p in PHASES], float(episode["question_read"][point]),
                          episode["seen"][point] / max(episode["total_tokens"], 1), self._budget, self._moved_mb],
                         np.float32)
