@@ -145,3 +145,28 @@ def _prompt(task):
 
     sample = get_task(task)(ByteTokenizer(), 200, 5, 0)
     return build_prompt(ByteTokenizer(), sample, False), sample.max_new_tokens
+
+
+def test_offloaded_blocks_lose_the_latest_attention_a_live_cache_would_not_see(tiny_model):
+    from kvgym.envs.kvcache_replay import RANK_COLUMNS, SHARE_COLUMNS
+
+    env = KVCacheReplayEnv([recorded(tiny_model)], host_blocks=64)
+    observation, _ = env.reset(options={"episode": 0, "budget": 0.25})
+    action = fixed_scores(env.action_space.shape[:2])
+    checked = 0
+    for _ in range(6):
+        observation, _, done, _, _ = env.step(action)
+        n = env._episode["features"][env._point].shape[1]
+        off = (env._tier[:, :n] == Tier.HOST)
+        if off.any():
+            blocks = observation["blocks"][:, :n]
+            assert np.allclose(blocks[off][:, SHARE_COLUMNS], np.log(1e-4))
+            device = env._tier[:, :n] == Tier.DEVICE
+            shares = (np.exp(blocks[:, :, SHARE_COLUMNS].astype(np.float64)) - 1e-4) / n
+            sums = np.where(device[..., None], shares, 0.0).sum(axis=1)  # [L, 4]: each layer's residents hold it all
+            assert np.allclose(sums[sums > 1e-6], 1.0, atol=1e-3)
+            assert (blocks[off][:, RANK_COLUMNS] <= blocks[device][:, RANK_COLUMNS].max()).all()
+            checked += 1
+        if done:
+            break
+    assert checked

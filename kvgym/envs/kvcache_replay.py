@@ -15,9 +15,10 @@ earlier point is its max over heads).
 to its budget; a block that falls out goes to the host tier while it has room, else it is dropped (gone for
 good); a host block that rises in is prefetched. New blocks arrive on the device. The observation is the
 recorded features with what the replay's state decides written over them (valid, tier, layer pressure and
-budget; ``layers`` and ``globals`` as the live env computes them); attention features stay the full cache's (a
-live cache only sees attention to its resident blocks: the approximation ``benchmarks/replay_fidelity_v1.py``
-measures). Reward per step: minus ``mass_weight`` times the share of the future mass that falls on blocks off the
+budget; the latest forward's attention, which a live cache sees for resident blocks only: zero for the others, the
+residents' shares renormalised and ranked again; ``layers`` and ``globals`` as the live env computes them). The
+accumulated attention and the key features stay the full cache's: the approximation
+``benchmarks/replay_fidelity_v1.py`` measures against live returns. Reward per step: minus ``mass_weight`` times the share of the future mass that falls on blocks off the
 device until the next decision point (mean over layers), minus ``transfer_cost`` per MB moved, per tier pair as
 in the live env. No answer is decoded; a merge (live: the block folded into its neighbours) is replayed as a drop.
 """
@@ -34,13 +35,24 @@ from gymnasium import spaces
 
 from cache.controller import PHASES, CacheView
 from cache.paged_cache import CacheConfig
-from cache.ranking import BUDGET_COLUMN, NUM_RANK_FEATURES, PRESSURE_COLUMN, RANK_FEATURES, policy_features
+from cache.ranking import (
+    BUDGET_COLUMN,
+    NUM_RANK_FEATURES,
+    PRESSURE_COLUMN,
+    RANK_FEATURES,
+    policy_features,
+    within_layer_rank,
+)
 from cache.runner import Runner
 from cache.tiers import Tier
 from kvgym.envs.kvcache import GLOBAL_COLUMNS, LAYER_COLUMNS, TIER_PAIRS
 
 VALID_COLUMN = RANK_FEATURES.index("valid")
 TIER_COLUMNS = [RANK_FEATURES.index(f"tier_{name}") for name in ("device", "host", "disk")]
+# the latest forward's attention (window and last query, mean and max over heads): a live cache sees it for its
+# resident blocks only, so the replay takes it away from the others (share and rank columns of each)
+SHARE_COLUMNS = [RANK_FEATURES.index(f"{kind}_{over}_log_share") for kind in ("last", "last_query") for over in ("mean", "max")]
+RANK_COLUMNS = [RANK_FEATURES.index(f"{kind}_{over}_rank") for kind in ("last", "last_query") for over in ("mean", "max")]
 EPISODE_FORMAT = "kvgym-replay-episode"
 NOT_YET = -1  # a block the run has not reached yet
 DEVICE, HOST, DISK, DROPPED = (int(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.DROPPED))  # plain ints: fast
@@ -320,6 +332,14 @@ class KVCacheReplayEnv(gym.Env):
         blocks[:, :n, VALID_COLUMN] = valid
         for column, where in zip(TIER_COLUMNS, on, strict=True):
             blocks[:, :n, column] = where
+        off = ~on[0]
+        if off.any():  # shares back from log_share (log(n * share + 1e-4)), the off-device ones zeroed
+            stacked = np.moveaxis(blocks[:, :n, SHARE_COLUMNS], -1, 0).astype(np.float64)
+            shares = np.where(off | ~valid, 0.0, np.maximum(np.exp(stacked) - 1e-4, 0.0))
+            total = shares.sum(axis=-1, keepdims=True)
+            logs = np.log(shares / np.where(total > 0, total, 1.0) * n + 1e-4)
+            blocks[:, :n, SHARE_COLUMNS] = np.moveaxis(np.where(valid, logs, np.log(1e-4)), 0, -1)
+            blocks[:, :n, RANK_COLUMNS] = np.moveaxis(within_layer_rank(shares, valid), 0, -1)
         blocks[:, :n, PRESSURE_COLUMN] = (device / self._budget_blocks)[:, None]
         blocks[:, :n, BUDGET_COLUMN] = self._budget_blocks / max(n, 1)
         mask = np.zeros(self.observation_space["mask"].shape, np.float32)
