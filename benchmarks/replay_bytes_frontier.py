@@ -19,18 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.replay_fidelity_v1 import TIER_DEVICE, column, ranker
-
-
-def with_stay(keep: np.ndarray, blocks: np.ndarray, mask: np.ndarray, stay: float) -> np.ndarray:
-    """``keep_top``'s hysteresis: resident blocks' scores lifted by ``stay`` standard deviations of the layer's."""
-    if not stay:
-        return keep
-    valid = mask > 0
-    count = np.maximum(valid.sum(axis=1, keepdims=True), 1)
-    mean = np.where(valid, keep, 0).sum(axis=1, keepdims=True) / count
-    spread = np.sqrt(np.where(valid, (keep - mean) ** 2, 0).sum(axis=1, keepdims=True) / count)
-    return keep + stay * spread * blocks[..., TIER_DEVICE]
+from benchmarks.replay_fidelity_v1 import column, ranker, with_stay
 
 
 def play(env, score, options) -> dict:
@@ -55,8 +44,8 @@ def future_scores(env, observation) -> np.ndarray:
 def policies(stays) -> dict:
     table = {}
     for stay in stays:
-        base = ranker("policies/ranker_smollm2.pt")
-        table[f"ranker, stay {stay:g}"] = (lambda f, s: lambda env, obs: with_stay(f(obs["blocks"], obs["mask"]), obs["blocks"], obs["mask"], s))(base, stay)
+        table[f"ranker, stay {stay:g}"] = (lambda f: lambda env, obs: f(obs["blocks"], obs["mask"]))(
+            ranker("policies/ranker_smollm2.pt", stay))
     for name, feature in (("tova", "last_query_mean_rank"), ("keydiff", "key_distinct_rank"), ("knorm", "key_norm_rank"),
                           ("quest bound", "page_bound_max_rank")):
         table[name] = (lambda f: lambda env, obs: f(obs["blocks"]))(column(feature))

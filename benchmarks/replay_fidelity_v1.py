@@ -31,22 +31,23 @@ def column(name: str, sign: float = 1.0):
     return lambda blocks: sign * blocks[..., index]
 
 
+def with_stay(keep: np.ndarray, blocks: np.ndarray, mask: np.ndarray, stay: float) -> np.ndarray:
+    """``keep_top``'s hysteresis: resident blocks' scores lifted by ``stay`` standard deviations of the layer's."""
+    if not stay:
+        return keep
+    valid = mask > 0
+    count = np.maximum(valid.sum(axis=1, keepdims=True), 1)
+    mean = np.where(valid, keep, 0).sum(axis=1, keepdims=True) / count
+    spread = np.sqrt(np.where(valid, (keep - mean) ** 2, 0).sum(axis=1, keepdims=True) / count)
+    return keep + stay * spread * blocks[..., TIER_DEVICE]
+
+
 def ranker(path: str, stay: float = 0.0):
     """The ranker file's scores, with ``keep_top``'s hysteresis added to the resident blocks' scores."""
     from agents.ranker.model import load_ranker
 
     scorer = load_ranker(path)[0].inference()
-
-    def score(blocks: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        keep = scorer(blocks)[0].astype(np.float64)
-        if stay:
-            valid = mask > 0
-            count = np.maximum(valid.sum(axis=1, keepdims=True), 1)
-            mean = np.where(valid, keep, 0).sum(axis=1, keepdims=True) / count
-            spread = np.sqrt(np.where(valid, (keep - mean) ** 2, 0).sum(axis=1, keepdims=True) / count)
-            keep = keep + stay * spread * blocks[..., TIER_DEVICE]
-        return keep
-    return score
+    return lambda blocks, mask: with_stay(scorer(blocks)[0].astype(np.float64), blocks, mask, stay)
 
 
 def policies(seed: int = 0) -> dict:
@@ -63,7 +64,7 @@ def policies(seed: int = 0) -> dict:
         "oldest": column("distance_from_end"),
         "random": lambda blocks: fixed[: blocks.shape[0], : blocks.shape[1]],
     }
-    table = {name: (lambda f: lambda blocks, mask: f(blocks))(f) for name, f in plain.items()}
+    table = {name: (lambda rule: lambda blocks, mask: rule(blocks))(f) for name, f in plain.items()}
     table["ranker"] = ranker("policies/ranker_smollm2.pt")
     table["ranker, stay 2"] = ranker("policies/ranker_smollm2.pt", stay=2.0)
     return table

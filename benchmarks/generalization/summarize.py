@@ -46,6 +46,8 @@ def cell_rows(cell: str) -> list[dict]:
     folders = [Path(part) for part in cell.split("+")]
     records = list({record_key(r): r for f in folders for r in read_jsonl(f / "samples.jsonl")}.values())
     configs = [json.loads((f / "eval_config.json").read_text()) for f in folders]
+    keys = {k for c in configs for k in c}  # a key an older kvgym did not write counts as its default (None)
+    configs = [{k: c.get(k) for k in sorted(keys)} for c in configs]
     if any(c != configs[0] for c in configs):
         raise ValueError(f"{cell}: the folders were run with different settings")
     config, folder = configs[0], folders[0]
