@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=6)
     parser.add_argument("--task", default="families_train")
     parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=401, help="task seed of the recorded samples")
+    parser.add_argument("--seed", type=int, default=401, help="kvgym eval's --seed of the recorded samples")
     parser.add_argument("--budget", type=float, default=0.125)
     parser.add_argument("--host-blocks", type=int, default=512)
     parser.add_argument("--data", type=Path, default=Path("data/replay_v1"))
@@ -119,8 +119,8 @@ def main() -> None:
         for name, score in table.items():
             start = time.perf_counter()
             replayed = play(replay, score, {"episode": index, "budget": args.budget})
-            lived = play(live, score, {"task": args.task, "length": args.length, "budget": args.budget,
-                                       "sample_seed": int(episode["seed"])})
+            lived = play(live, score, {"task": args.task, "length": args.length, "budget": args.budget,  # the same sample
+                                       "sample_seed": int(episode["sample_seed"]), "index": int(episode["index"])})
             rows.append({"episode": index, "policy": name, "replay_return": replayed["return"],
                          "live_return": lived["return"], "live_score": lived["score"], "replay_steps": replayed["steps"],
                          "live_steps": lived["steps"], "seconds": time.perf_counter() - start})

@@ -69,6 +69,8 @@ from pathlib import Path
 
 import torch
 
+from eval.tasks.base import sample_seed
+
 FULL = "full"
 FULL_BUDGET = 1.0
 CUSTOM_METRICS = ("string_match_all", "string_match_part", "exact")
@@ -86,12 +88,6 @@ TASKS_FILE_KEYS = {"input": "input, or context + question", "context": "optional
 # ---------------------------------------------------------------- inputs
 
 
-def sample_seed(seed: int, task: str, length: int, index: int) -> int:
-    """The seed of one sample: stable across processes and machines (not Python's salted ``hash``). The
-    length is left out on purpose: the generators then put the same needles and questions at every length,
-    so results pair across lengths."""
-    digest = hashlib.sha256(f"{seed}:{task}:{index}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 def sample_hash(sample) -> str:

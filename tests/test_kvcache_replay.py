@@ -170,3 +170,24 @@ def test_offloaded_blocks_lose_the_latest_attention_a_live_cache_would_not_see(t
         if done:
             break
     assert checked
+
+
+def test_a_recorded_episode_is_the_sample_the_live_env_and_kvgym_eval_run(tiny_model, tmp_path):
+    """``record_episodes`` draws ``kvgym eval --seed``'s samples; the live env's reset with the episode's
+    ``sample_seed`` and ``index`` runs the same one: the full cache's answer is the recorded one. Negative control:
+    index 0 with the same seed is another sample."""
+    from eval.tasks.base import sample_seed
+    from kvgym.envs.kvcache_replay import load_episodes, record_episodes
+
+    paths = record_episodes(tiny_model, ByteTokenizer(), ["toy_recall"], [200], 2, 3, tmp_path, block_size=8,
+                            prefill_chunk=32, decide_every=2, log=lambda _: None)
+    episode = load_episodes([paths[1]])[0]
+    assert episode["index"] == 1 and episode["sample_seed"] == sample_seed(3, "toy_recall", 200, 1)
+    live = make(tiny_model, host_blocks=6)
+    live.reset(options={"task": "toy_recall", "length": 200, "budget": 0.3, "sample_seed": episode["sample_seed"],
+                        "index": episode["index"]})
+    assert ByteTokenizer().decode(live._ref["tokens"][0]) == episode["text"]
+    first = live._sample
+    live.reset(options={"task": "toy_recall", "length": 200, "budget": 0.3, "sample_seed": episode["sample_seed"]})
+    assert live._sample.context != first.context
+    live.close()

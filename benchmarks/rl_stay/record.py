@@ -1,6 +1,8 @@
 """Record full-cache episodes for the replay twin (``kvgym.envs.kvcache_replay.record_episodes``): the training and
-validation families on their own seeds, and the held-out families on the seed the live held-out grid uses (7),
-so a policy chosen on the replay can be checked live on the same samples. Resumable (files are kept).
+validation families on their own seeds, and the held-out families on the seed the live held-out grid uses (7):
+``record_episodes`` draws ``kvgym eval --seed``'s samples, so a policy chosen on the replay can be checked live on
+the same samples (the episodes of results/rl_stay/ were recorded before it did: other samples of the same
+families). Resumable (files are kept).
 
     python -m benchmarks.rl_stay.record --out data/replay_stay
 """

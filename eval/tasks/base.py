@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -98,3 +99,11 @@ def get_task(name: str) -> Callable[..., Sample]:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}: choose from {', '.join(sorted(TASKS)) or '(none registered)'}")
     return TASKS[name]
+
+
+def sample_seed(seed: int, task: str, length: int, index: int) -> int:
+    """The seed of one sample: stable across processes and machines (not Python's salted ``hash``). The
+    length is left out on purpose: the generators then put the same needles and questions at every length,
+    so results pair across lengths."""
+    digest = hashlib.sha256(f"{seed}:{task}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF

@@ -252,9 +252,9 @@ class KVCacheEnv(gym.Env):
         super().reset(seed=seed)
         self._stop()
         options = dict(options or {})
-        unknown = sorted(set(options) - {"task", "length", "budget", "sample_seed"})
+        unknown = sorted(set(options) - {"task", "length", "budget", "sample_seed", "index"})
         if unknown:
-            raise ValueError(f"reset options {unknown}: the options are task, length, budget, sample_seed")
+            raise ValueError(f"reset options {unknown}: the options are task, length, budget, sample_seed, index")
         task = options.get("task", self.tasks[int(self.np_random.integers(len(self.tasks)))])
         length = int(options.get("length", self.lengths[int(self.np_random.integers(len(self.lengths)))]))
         budget = float(options.get("budget", self.np_random.uniform(*self.budget_range)))
@@ -263,7 +263,8 @@ class KVCacheEnv(gym.Env):
             raise ValueError(f"reset option task {task!r}: this env draws from {', '.join(self.tasks)}")
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"reset option budget {budget!r}: a fraction in (0, 1]")
-        sample = self.generators[task](self.tokenizer, length, sample_seed, 0)
+        index = int(options.get("index", 0))  # with sample_seed: kvgym eval's sample (eval.tasks.base.sample_seed)
+        sample = self.generators[task](self.tokenizer, length, sample_seed, index)
         prompt = build_prompt(self.tokenizer, sample, self.chat)
         max_new = self.max_new_tokens or sample.max_new_tokens
         turns = len(prompt.turns) + 1
@@ -272,7 +273,7 @@ class KVCacheEnv(gym.Env):
             raise ValueError(f"sample {task}/{length}/{sample_seed}: {self._total_tokens} tokens with its answers, over "
                              f"max_tokens {self.max_tokens}: make the env with a larger max_tokens")
         self._sample, self._budget = sample, budget
-        self._ref = self._reference((task, length, sample_seed, self.chat), prompt, max_new)
+        self._ref = self._reference((task, length, sample_seed, index, self.chat), prompt, max_new)
         self._answer, self._agrees, self._pending_kl, self._kl_positions = {}, True, 0.0, 0
         self._moved_mb = self._moved_cost = 0.0
         self._to_env, self._to_runner = queue.Queue(), queue.Queue()
@@ -283,7 +284,7 @@ class KVCacheEnv(gym.Env):
         if kind != "decide":
             raise RuntimeError(f"sample {task}/{length}/{sample_seed} ran without a decision point at budget {budget}")
         self._view = payload
-        info = {"task": task, "length": length, "budget": budget, "sample_seed": sample_seed,
+        info = {"task": task, "length": length, "budget": budget, "sample_seed": sample_seed, "index": index,
                 "prompt_tokens": len(prompt.ids), "turns": turns}
         return self._observation(payload), info
 

@@ -130,9 +130,11 @@ def record_episode(model, tokenizer, prompt, max_new_tokens: int, protocol: str 
 def record_episodes(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed: int, out: str | Path,
                     protocol: str = "streaming", chat: bool = False, block_size: int = 16, prefill_chunk: int = 64,
                     decide_every: int = 8, log=print) -> list[Path]:
-    """``n`` samples per task × length (task seed ``seed``) recorded into ``out`` (one ``.pt`` each; existing files
-    are kept, so a killed recording resumes)."""
-    from eval.tasks import generate
+    """``n`` samples per task × length recorded into ``out`` (one ``.pt`` each; existing files are kept, so a killed
+    recording resumes). The samples are ``kvgym eval --seed seed``'s (``eval.tasks.base.sample_seed``), so a live
+    run of the same sample is ``KVCacheEnv.reset(options={"sample_seed": ..., "index": ...})`` with the episode's
+    ``sample_seed`` and ``index``."""
+    from eval.tasks.base import get_task, sample_seed
     from eval.tasks.prompt import build_prompt
 
     out = Path(out)
@@ -141,13 +143,14 @@ def record_episodes(model, tokenizer, tasks: list[str], lengths: list[int], n: i
     for task in tasks:
         for length in lengths:
             for index in range(n):
-                path = out / f"{task}_{length}_s{seed}_{index}_{protocol}{'_chat' if chat else ''}.pt"
+                path = out / f"{task}_{length}_eval{seed}_{index}_{protocol}{'_chat' if chat else ''}.pt"
                 paths.append(path)
                 if path.exists():
                     continue
-                sample = generate(task, tokenizer, length, seed=seed, index=index)
+                drawn = sample_seed(seed, task, length, index)
+                sample = get_task(task)(tokenizer, length, drawn, index)
                 prompt = build_prompt(tokenizer, sample, chat)
-                meta = {"task": task, "length": length, "seed": seed, "index": index, "chat": chat}
+                meta = {"task": task, "length": length, "seed": seed, "index": index, "sample_seed": drawn, "chat": chat}
                 episode = record_episode(model, tokenizer, prompt, sample.max_new_tokens, protocol, block_size,
                                          prefill_chunk, decide_every, meta)
                 tmp = path.with_suffix(".tmp")
