@@ -16,7 +16,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from eval.report import FULL, _colors, _figure, _legend, _marker, read_jsonl, records_file, summarize
+from eval.report import FULL, _colors, _figure, _marker, read_jsonl, records_file, summarize
 
 RECORD_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "score")
 
@@ -145,13 +145,19 @@ def plot_leaderboard(boards: dict[str, dict], path: Path) -> None:
         if not math.isnan(board["full"]):
             ax.axhline(board["full"], color="black", linestyle="--", linewidth=1, label="full cache")
         ax.set_xscale("log", base=2)
+        ticks = sorted({c for m in board["methods"].values() for c in m})
+        ax.set_xticks(ticks, [f"{c:g}×" for c in ticks])
         ax.set_title(setting, fontsize=10)
         ax.set_xlabel("compression (context / device budget)")
         ax.set_ylabel("accuracy (cells with full cache ≥ bar)")
         ax.set_ylim(-0.05, 1.05)
         ax.grid(True, alpha=0.3)
-    _legend(axes[: len(settings)], len(methods) + 1)
+    labelled = {}  # one legend for every panel's methods (each panel shows only those of its setting)
+    for ax in axes[: len(settings)]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            labelled.setdefault(label, handle)
     figure.tight_layout()
+    figure.legend(labelled.values(), labelled.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
     figure.savefig(path, bbox_inches="tight")
 
 
