@@ -73,6 +73,31 @@ def bandwidth_costs(per_ms: float, pcie_gb_per_s: float = 25.0, disk_gb_per_s: f
     return cost
 
 
+def transfer_costs(transfer_cost: float | dict, **weights: float) -> dict[str, float]:
+    """``transfer_cost`` (one number, or one per tier pair of ``TIER_PAIRS``) as a cost per pair, checked with the
+    other reward ``weights`` (each a finite number >= 0); a ``ValueError`` naming what is wrong otherwise."""
+    costs = transfer_cost if isinstance(transfer_cost, dict) else dict.fromkeys(TIER_PAIRS, transfer_cost)
+    unknown = sorted(set(costs) - set(TIER_PAIRS))
+    if unknown:
+        raise ValueError(f"transfer_cost: unknown tier pairs {unknown}; the pairs are {', '.join(TIER_PAIRS)}")
+    for name, value in [*((f"transfer_cost {pair}", c) for pair, c in costs.items()), *weights.items()]:
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} {value!r}: must be a finite number >= 0")
+    return {pair: float(c) for pair, c in costs.items()}
+
+
+def spaces_of(num_layers: int, max_blocks: int) -> tuple[spaces.Dict, spaces.Box]:
+    """The observation and action spaces of ``KVCache-v1`` and its replay twin for a model and block axis."""
+    shape = (num_layers, max_blocks)
+    observation = spaces.Dict({
+        "blocks": spaces.Box(-np.inf, np.inf, (*shape, NUM_RANK_FEATURES), np.float32),
+        "mask": spaces.Box(0.0, 1.0, shape, np.float32),
+        "layers": spaces.Box(-np.inf, np.inf, (num_layers, len(LAYER_COLUMNS)), np.float32),
+        "globals": spaces.Box(-np.inf, np.inf, (len(GLOBAL_COLUMNS),), np.float32),
+    })
+    return observation, spaces.Box(-1.0, 1.0, (*shape, 2), np.float32)
+
+
 def _mb_moved(cache, cost: dict[str, float]) -> tuple[float, float]:
     """MB moved between tiers so far, every direction, and their cost (``cost`` per MB of each tier pair)."""
     mb = {f"{a}->{b}": n / 1e6 for (a, b), n in cache.bytes_moved.items()}
@@ -130,13 +155,7 @@ class KVCacheEnv(gym.Env):
                 raise ValueError(f"{name} {value!r}: must be a positive integer")
         if host_blocks < 0:
             raise ValueError(f"host_blocks {host_blocks!r}: must be >= 0")
-        costs = transfer_cost if isinstance(transfer_cost, dict) else dict.fromkeys(TIER_PAIRS, transfer_cost)
-        unknown = sorted(set(costs) - set(TIER_PAIRS))
-        if unknown:
-            raise ValueError(f"transfer_cost: unknown tier pairs {unknown}; the pairs are {', '.join(TIER_PAIRS)}")
-        for name, value in [*((f"transfer_cost {pair}", c) for pair, c in costs.items()), ("kl_weight", kl_weight)]:
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} {value!r}: must be a finite number >= 0")
+        costs = transfer_costs(transfer_cost, kl_weight=kl_weight)
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r}: use one of {self.metadata['render_modes']}")
         model, tokenizer = model_with_tokenizer(model, tokenizer)
@@ -145,17 +164,10 @@ class KVCacheEnv(gym.Env):
         self.budget_scope = budget_scope
         self.cache_config = CacheConfig(block_size=block_size, host_blocks=host_blocks)
         self.prefill_chunk, self.decide_every, self.max_new_tokens = prefill_chunk, decide_every, max_new_tokens
-        self.transfer_cost, self.kl_weight = {pair: float(c) for pair, c in costs.items()}, float(kl_weight)
+        self.transfer_cost, self.kl_weight = costs, float(kl_weight)
         self.max_tokens = max_tokens or int(1.25 * max(lengths)) + 256
         self.num_layers, self.max_blocks = model.config.num_hidden_layers, math.ceil(self.max_tokens / block_size)
-        shape = (self.num_layers, self.max_blocks)
-        self.observation_space = spaces.Dict({
-            "blocks": spaces.Box(-np.inf, np.inf, (*shape, NUM_RANK_FEATURES), np.float32),
-            "mask": spaces.Box(0.0, 1.0, shape, np.float32),
-            "layers": spaces.Box(-np.inf, np.inf, (self.num_layers, len(LAYER_COLUMNS)), np.float32),
-            "globals": spaces.Box(-np.inf, np.inf, (len(GLOBAL_COLUMNS),), np.float32),
-        })
-        self.action_space = spaces.Box(-1.0, 1.0, (*shape, 2), np.float32)
+        self.observation_space, self.action_space = spaces_of(self.num_layers, self.max_blocks)
         # the vocabulary scan for sentence ends (a view feature), once (a tokenizer without a vocabulary: none)
         self._sentence_end_ids = sentence_end_token_ids(tokenizer) if hasattr(tokenizer, "get_vocab") else None
         self._references: OrderedDict = OrderedDict()

@@ -31,13 +31,11 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
-from gymnasium import spaces
 
 from cache.controller import PHASES, CacheView
 from cache.paged_cache import CacheConfig
 from cache.ranking import (
     BUDGET_COLUMN,
-    NUM_RANK_FEATURES,
     PRESSURE_COLUMN,
     RANK_FEATURES,
     policy_features,
@@ -45,7 +43,7 @@ from cache.ranking import (
 )
 from cache.runner import Runner
 from cache.tiers import Tier
-from kvgym.envs.kvcache import GLOBAL_COLUMNS, LAYER_COLUMNS, TIER_PAIRS
+from kvgym.envs.kvcache import spaces_of, transfer_costs
 
 VALID_COLUMN = RANK_FEATURES.index("valid")
 TIER_COLUMNS = [RANK_FEATURES.index(f"tier_{name}") for name in ("device", "host", "disk")]
@@ -200,13 +198,7 @@ class KVCacheReplayEnv(gym.Env):
             raise ValueError(f"budget_range {budget_range!r}: need 0 < low <= high <= 1")
         if isinstance(host_blocks, bool) or not isinstance(host_blocks, int) or host_blocks < 0:
             raise ValueError(f"host_blocks {host_blocks!r}: must be an integer >= 0")
-        costs = transfer_cost if isinstance(transfer_cost, dict) else dict.fromkeys(TIER_PAIRS, transfer_cost)
-        unknown = sorted(set(costs) - set(TIER_PAIRS))
-        if unknown:
-            raise ValueError(f"transfer_cost: unknown tier pairs {unknown}; the pairs are {', '.join(TIER_PAIRS)}")
-        for name, value in [*((f"transfer_cost {pair}", c) for pair, c in costs.items()), ("mass_weight", mass_weight)]:
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} {value!r}: must be a finite number >= 0")
+        costs = transfer_costs(transfer_cost, mass_weight=mass_weight)
         self.episodes = [{**episode,  # numpy once (the steps read them thousands of times); the caller's dicts untouched
                           "features": [np.asarray(f, np.float16) for f in episode["features"]],
                           "future": [np.asarray(f, np.float64) for f in episode["future"]]} for episode in self.episodes]
@@ -217,15 +209,8 @@ class KVCacheReplayEnv(gym.Env):
         if max(f.shape[1] for e in self.episodes for f in e["features"]) > self.max_blocks:
             raise ValueError(f"max_tokens {self.max_tokens}: an episode holds more blocks than the observation")
         self.budget_range, self.host_blocks, self.mass_weight = (low, high), host_blocks, float(mass_weight)
-        self.transfer_cost = {pair: float(c) for pair, c in costs.items()}
-        shape = (self.num_layers, self.max_blocks)
-        self.observation_space = spaces.Dict({
-            "blocks": spaces.Box(-np.inf, np.inf, (*shape, NUM_RANK_FEATURES), np.float32),
-            "mask": spaces.Box(0.0, 1.0, shape, np.float32),
-            "layers": spaces.Box(-np.inf, np.inf, (self.num_layers, len(LAYER_COLUMNS)), np.float32),
-            "globals": spaces.Box(-np.inf, np.inf, (len(GLOBAL_COLUMNS),), np.float32),
-        })
-        self.action_space = spaces.Box(-1.0, 1.0, (*shape, 2), np.float32)
+        self.transfer_cost = costs
+        self.observation_space, self.action_space = spaces_of(self.num_layers, self.max_blocks)
         self._episode: dict | None = None
 
     # ------------------------------------------------------------------ gymnasium API
