@@ -159,6 +159,8 @@ CASES = [
     pytest.param(_train_args("collect.drivers=[h2o:heavy_ratio=abc]"), _nothing, 2, ["collect.drivers", "heavy_ratio"],
                  ["runs"], id="9-driver-parameter"),
     pytest.param(_train_args("name=../x"), _nothing, 2, ["name '../x'", "letters"], ["runs", "x"], id="9-name-path"),
+    pytest.param(_train_args("ppo.timesteps=1000", "ppo.batch=9999"), _nothing, 2, ["ppo.batch 9999", "ppo.envs"],
+                 ["runs"], id="9-ppo-batch-too-large"),
     # already good: they stay good
     pytest.param([*GENERATE, "--prompt-file", "{tmp}/prompt.txt", "--budget", "4", "--controller",
                   "h2o:heavy_ratio=0.2", "--json", "{tmp}/run.json"], _prompt_files, 0,

@@ -170,6 +170,11 @@ def _check(config: dict) -> None:
         section, field = key.split(".")
         if config[section][field] < 0:
             raise ValueError(f"{key} must be >= 0, got {config[section][field]!r}")
+    if ppo["timesteps"] and not 2 <= ppo["batch"] <= ppo["envs"] * ppo["n_steps"]:
+        raise ValueError(f"ppo.batch {ppo['batch']}: a minibatch of 2 to ppo.envs × ppo.n_steps = "
+                         f"{ppo['envs'] * ppo['n_steps']} rankings")
+    if ppo["timesteps"] and ppo["envs"] % ppo["group"]:
+        raise ValueError(f"ppo.group {ppo['group']}: must divide ppo.envs ({ppo['envs']})")
     if train["warm_epochs"] + train["rl_epochs"] == 0:
         raise ValueError("train.warm_epochs and train.rl_epochs are both 0: an untrained file is not a policy")
     for key in ("collect.streaming_budgets", "train.budgets"):
@@ -211,7 +216,8 @@ def data_folder(config: dict) -> Path:
 
 def train_pipeline(config: dict, resume: bool = False, model=None, tokenizer=None, log=print) -> Path:
     """Run ``config``'s stages (see the module docstring); returns the final policy file. ``model`` /
-    ``tokenizer``: an already loaded model (default: ``config["model"]``, loaded when something is to collect)."""
+    ``tokenizer``: an already loaded model (default: ``config["model"]``, loaded once; collection skips the files
+    it has already written)."""
     from agents.ranker.model import load_ranker, save_ranker
     from agents.ranker.train import train
     from agents.registry import make_controller
