@@ -155,6 +155,10 @@ BAD = [
     (dict(transfer_cost=float("nan")), "transfer_cost device->host nan"),
     (dict(transfer_cost={"gpu->host": 1.0}), "unknown tier pairs"),
     (dict(decide_every=0), "decide_every 0"),
+    (dict(prefill_chunk=0), "prefill_chunk 0"),
+    (dict(max_new_tokens=-5), "max_new_tokens -5"),
+    (dict(kl_weight=-1.0), "kl_weight -1.0"),
+    (dict(host_blocks=-1), "host_blocks -1"),
     (dict(max_tokens=100), "max_tokens 100"),  # raised at reset: the samples do not fit
 ]
 

@@ -251,6 +251,8 @@ def test_the_batched_vec_env_pays_each_env_its_own_regret_and_checks_actions():
         envs.step(np.full_like(actions, np.nan))
     with pytest.raises(ValueError, match="group"):
         RankingReplayVecEnv(decisions, 5, group=2)
+    with pytest.raises(ValueError, match="at least one env"):
+        RankingReplayVecEnv(decisions, 0)
     with pytest.raises(RuntimeError, match="before reset"):
         RankingReplayVecEnv(decisions, 5, score_bound=SCORE_BOUND).step(actions)
 

@@ -62,6 +62,8 @@ class RankingReplayVecEnv(VecEnv):
     that their sampled rankings can be rewarded against each other. Rows are drawn uniformly with ``seed``."""
 
     def __init__(self, decisions: Decisions, num_envs: int, score_bound: float = 1.0, group: int = 1, seed: int = 0):
+        if num_envs < 1:
+            raise ValueError(f"num_envs: expected at least one env, got {num_envs}")
         if group < 1 or num_envs % group:
             raise ValueError(f"group: expected a divisor of the {num_envs} envs, got {group}")
         single = RankingReplayEnv(decisions, score_bound=score_bound)
