@@ -156,6 +156,16 @@ def policy_features(view: CacheView, blind_phase: str = "prefill") -> np.ndarray
     return features
 
 
+def top_b(keyed: np.ndarray, candidates: np.ndarray, room) -> np.ndarray:
+    """``[L, N]`` bool: each layer's ``room`` (``[L]``, clipped at 0) highest ``keyed`` scores among its
+    ``candidates``; ties keep block order. ``keyed`` holds ``-inf`` off the candidates (``keep_top``'s per-layer
+    rule, shared with the replay twin's)."""
+    order = np.argsort(-keyed, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(keyed.shape[1])[None], axis=1)
+    return candidates & (rank < np.maximum(np.asarray(room), 0)[:, None])
+
+
 def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Decision]:
     """Decisions that leave on each layer's device its pinned blocks plus its highest ``scores`` (``[L, N]``)
     blocks up to the layer's budget (dropped blocks cannot return); under a global budget (``view.total_budget``)
@@ -185,11 +195,7 @@ def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Dec
     # order first); NaN ranks last among candidates
     keyed = np.where(candidates, np.nan_to_num(scores, nan=-1e300, posinf=1e300, neginf=-1e300), -np.inf)
     if view.total_budget is None:
-        room = np.maximum(view.budget_blocks.numpy().astype(np.int64) - (pinned & live).sum(axis=1), 0)
-        order = np.argsort(-keyed, axis=1, kind="stable")
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(view.num_blocks)[None], axis=1)
-        chosen = candidates & (rank < room[:, None])
+        chosen = top_b(keyed, candidates, view.budget_blocks.numpy().astype(np.int64) - (pinned & live).sum(axis=1))
     else:
         room = max(int(view.total_budget) - int((pinned & live).sum()), 0)
         order = np.argsort(-keyed.ravel(), kind="stable")

@@ -98,6 +98,16 @@ def spaces_of(num_layers: int, max_blocks: int) -> tuple[spaces.Dict, spaces.Box
     return observation, spaces.Box(-1.0, 1.0, (*shape, 2), np.float32)
 
 
+def checked_action(action, space: spaces.Box) -> np.ndarray:
+    """``action`` as float32 of ``space``'s shape, finite; a ``ValueError`` that shows what came instead."""
+    action = np.asarray(action, np.float32)
+    finite = bool(np.isfinite(action).all())
+    if action.shape != space.shape or not finite:
+        raise ValueError(f"action: expected finite values of shape {space.shape}, got {action.shape}"
+                         + ("" if finite else " with NaN or inf"))
+    return action
+
+
 def _mb_moved(cache, cost: dict[str, float]) -> tuple[float, float]:
     """MB moved between tiers so far, every direction, and their cost (``cost`` per MB of each tier pair)."""
     mb = {f"{a}->{b}": n / 1e6 for (a, b), n in cache.bytes_moved.items()}
@@ -303,10 +313,7 @@ class KVCacheEnv(gym.Env):
     def step(self, action):
         if self._worker is None:
             raise gym.error.ResetNeeded("step() before reset() or after the episode ended: call reset()")
-        action = np.asarray(action, np.float32)
-        if action.shape != self.action_space.shape or not np.isfinite(action).all():
-            raise ValueError(f"action: expected finite values of shape {self.action_space.shape}, got "
-                             f"{action.shape}" + ("" if np.isfinite(action).all() else " with NaN or inf"))
+        action = checked_action(action, self.action_space)
         self._pending_kl = 0.0
         self._to_runner.put(action)
         kind, payload = self._next()

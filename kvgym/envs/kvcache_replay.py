@@ -39,11 +39,12 @@ from cache.ranking import (
     PRESSURE_COLUMN,
     RANK_FEATURES,
     policy_features,
+    top_b,
     within_layer_rank,
 )
 from cache.runner import Runner
 from cache.tiers import Tier
-from kvgym.envs.kvcache import spaces_of, transfer_costs
+from kvgym.envs.kvcache import checked_action, spaces_of, transfer_costs
 
 VALID_COLUMN = RANK_FEATURES.index("valid")
 TIER_COLUMNS = [RANK_FEATURES.index(f"tier_{name}") for name in ("device", "host", "disk")]
@@ -239,10 +240,7 @@ class KVCacheReplayEnv(gym.Env):
     def step(self, action):
         if self._episode is None:
             raise gym.error.ResetNeeded("step() before reset() or after the episode ended: call reset()")
-        action = np.asarray(action, np.float32)
-        if action.shape != self.action_space.shape or not np.isfinite(action).all():
-            raise ValueError(f"action: expected finite values of shape {self.action_space.shape}, got "
-                             f"{action.shape}" + ("" if np.isfinite(action).all() else " with NaN or inf"))
+        action = checked_action(action, self.action_space)
         episode, point = self._episode, self._point
         moved = self._apply(action[:, :, 0], action[:, :, 1])
         lost = self._lost_share(episode["future"][point])
@@ -279,12 +277,8 @@ class KVCacheReplayEnv(gym.Env):
         tier, pinned = self._tier[:, :n], self._pinned(n)
         live = tier != DROPPED
         candidates = live & ~pinned
-        room = np.maximum(self._budget_blocks - (pinned & live).sum(axis=1), 0)
         keyed = np.where(candidates, scores[:, :n].astype(np.float64), -np.inf)
-        order = np.argsort(-keyed, axis=1, kind="stable")
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(n)[None], axis=1)
-        chosen = candidates & (rank < room[:, None])
+        chosen = top_b(keyed, candidates, self._budget_blocks - (pinned & live).sum(axis=1))
         leaving = (tier == DEVICE) & candidates & ~chosen
         arriving = chosen & (tier == HOST)
         merged = leaving & (merge[:, :n] > 0)
