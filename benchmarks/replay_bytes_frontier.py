@@ -19,17 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.replay_fidelity_v1 import column, ranker, with_stay
+from benchmarks.replay_fidelity_v1 import column, rank_action, ranker, with_stay
 
 
 def play(env, score, options) -> dict:
     observation, _ = env.reset(options=options)
     lost, mb, steps, done = 0.0, 0.0, 0, False
     while not done:
-        keep = np.where(observation["mask"] > 0, score(env, observation), -1e30)
-        action = np.full((*keep.shape, 2), -1.0, np.float32)
-        action[..., 0] = np.argsort(np.argsort(keep, axis=1, kind="stable"), axis=1) / max(keep.shape[1] - 1, 1) * 2 - 1
-        observation, _, done, _, info = env.step(action)
+        observation, _, done, _, info = env.step(rank_action(score(env, observation), observation["mask"]))
         lost, mb, steps = lost + info["lost_mass"], mb + info["mb_moved"], steps + 1
     return {"lost": lost / steps, "mb": mb / steps, "steps": steps}
 

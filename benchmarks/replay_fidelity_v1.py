@@ -32,7 +32,9 @@ def column(name: str, sign: float = 1.0):
 
 
 def with_stay(keep: np.ndarray, blocks: np.ndarray, mask: np.ndarray, stay: float) -> np.ndarray:
-    """``keep_top``'s hysteresis: resident blocks' scores lifted by ``stay`` standard deviations of the layer's."""
+    """A hysteresis like ``keep_top``'s: resident blocks' scores lifted by ``stay`` standard deviations of the
+    layer's scores, taken here over every block of the mask (``keep_top`` takes them over the unpinned candidates:
+    nearly the same margin, not the same to the digit)."""
     if not stay:
         return keep
     valid = mask > 0
@@ -70,13 +72,18 @@ def policies(seed: int = 0) -> dict:
     return table
 
 
-def action_of(score, observation) -> np.ndarray:
-    keep = score(observation["blocks"], observation["mask"])
-    keep = np.where(observation["mask"] > 0, keep, -1e9)
-    action = np.full((*keep.shape, 2), -1.0, np.float32)  # merge logit -1: never merge
+def rank_action(keep: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The envs' action for keep scores ``[L, N]``: each block's rank in its layer mapped into [-1, 1] (the same
+    top-b as the scores, whatever their scale; blocks off the mask last), merge logits -1 (never merge)."""
+    keep = np.where(mask > 0, keep, -1e30)
+    action = np.full((*keep.shape, 2), -1.0, np.float32)
     order = np.argsort(np.argsort(keep, axis=1, kind="stable"), axis=1, kind="stable")
-    action[..., 0] = (order / max(keep.shape[1] - 1, 1)) * 2 - 1  # ranks in [-1, 1]: the same top-b
+    action[..., 0] = (order / max(keep.shape[1] - 1, 1)) * 2 - 1
     return action
+
+
+def action_of(score, observation) -> np.ndarray:
+    return rank_action(score(observation["blocks"], observation["mask"]), observation["mask"])
 
 
 def play(env, score, options) -> dict:

@@ -33,7 +33,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from benchmarks.replay_fidelity_v1 import ranker, with_stay
+from benchmarks.replay_fidelity_v1 import rank_action, ranker, with_stay
 from cache.controller import PHASES
 from cache.ranking import RANK_FEATURES
 
@@ -57,7 +57,7 @@ class StayEnv(gym.Env):
 
     def _features(self, observation) -> np.ndarray:
         glob = observation["globals"]  # phase one-hot, question read, progress, budget, MB moved so far
-        keep = self.score(observation["blocks"], observation["mask"])
+        keep = self._keep = self.score(observation["blocks"], observation["mask"])  # step() acts on these scores
         valid = observation["mask"] > 0
         device = observation["blocks"][..., TIER_DEVICE] > 0
         host = valid & ~device
@@ -79,12 +79,8 @@ class StayEnv(gym.Env):
     def step(self, action):
         stay = STAYS[int(action)]
         observation = self._last
-        keep = np.where(observation["mask"] > 0,
-                        with_stay(self.score(observation["blocks"], observation["mask"]), observation["blocks"],
-                                  observation["mask"], stay), -1e30)
-        act = np.full((*keep.shape, 2), -1.0, np.float32)
-        act[..., 0] = np.argsort(np.argsort(keep, axis=1, kind="stable"), axis=1) / max(keep.shape[1] - 1, 1) * 2 - 1
-        observation, reward, done, truncated, info = self.replay.step(act)
+        keep = with_stay(self._keep, observation["blocks"], observation["mask"], stay)
+        observation, reward, done, truncated, info = self.replay.step(rank_action(keep, observation["mask"]))
         self._last = observation
         info = {**info, "stay": stay}
         return self._features(observation), reward, done, truncated, info
