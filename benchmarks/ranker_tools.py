@@ -196,10 +196,10 @@ def cmd_ranker(args) -> int:
         return _ranker_regret(args)
     from agents.registry import make_controller
     from cache.models import load_model
-    from kvgym.envs.decisions import collect
+    from kvgym.envs.decisions import collect, driver_name
 
     tasks = checked_tasks(args.tasks)
-    drivers = {spec.replace(":", "-").replace("/", "-"): make_controller(spec)
+    drivers = {driver_name(spec): make_controller(spec)
                for spec in (s.strip() for s in args.drivers.split(",")) if spec}
     teacher = None
     if args.teacher == "kvzip":

@@ -221,15 +221,15 @@ def train_pipeline(config: dict, resume: bool = False, model=None, tokenizer=Non
     from agents.ranker.model import load_ranker, save_ranker
     from agents.ranker.train import train
     from agents.registry import make_controller
-    from kvgym.envs.decisions import collect, load_records
+    from kvgym.envs.decisions import collect, driver_name, load_records
 
     folder = run_folder(config)
     saved = folder / "config.yaml"
     if saved.exists() and not resume:
         raise ValueError(f"{folder} already holds a run: pass --resume to continue it, or name=<another name>")
     if resume and saved.exists():
-        before = yaml.safe_load(saved.read_text())
-        changed = sorted(k for k in _flat(config) if _flat(before).get(k) != _flat(config)[k])
+        before, now = _flat(yaml.safe_load(saved.read_text())), _flat(config)
+        changed = sorted(k for k in now if before.get(k) != now[k])
         if changed:
             log(f"resuming {folder} with changed settings: {', '.join(changed)}")
     folder.mkdir(parents=True, exist_ok=True)
@@ -241,7 +241,7 @@ def train_pipeline(config: dict, resume: bool = False, model=None, tokenizer=Non
 
         loaded = load_model(config["model"])
         model, tokenizer = loaded.model, loaded.tokenizer
-    drivers = {spec.replace(":", "-").replace("/", "-"): make_controller(spec) for spec in settings["drivers"]}
+    drivers = {driver_name(spec): make_controller(spec) for spec in settings["drivers"]}
     for split in SPLITS:
         for item in settings[split]:
             collect(model, tokenizer, item["tasks"], item["lengths"], item["n"], item["seed"], data_folder(config) / split,

@@ -218,6 +218,11 @@ def streaming_state(model, prompt, driver, budget: float, host_blocks: int, bloc
             "host_blocks": host_blocks, "protocol": "streaming"}
 
 
+def driver_name(spec: str) -> str:
+    """A driver's controller spec as it stands in ``collect``'s file names (``:`` and ``/`` made ``-``)."""
+    return spec.replace(":", "-").replace("/", "-")
+
+
 def collect(model, tokenizer, tasks: list[str], lengths: list[int], n: int, seed: int, out: str | Path,
             chat: bool = True, block_size: int = 16, max_new_tokens: int = 24, drivers: dict | None = None,
             streaming_budgets: tuple[float, ...] = (0.25,), host_blocks: int = 0, blind: bool = False,
