@@ -16,7 +16,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from eval.report import FULL, _colors, _figure, _marker, read_jsonl, records_file, summarize
+from eval.report import FULL, _colors, _figure, _marker, _weighted, read_jsonl, records_file, summarize
 
 RECORD_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "score")
 
@@ -63,19 +63,14 @@ def leaderboard(records: list[dict], min_full: float = 0.8) -> dict:
             cells[(row["controller"], row["budget"])].append(row)
     methods: dict[str, dict] = defaultdict(dict)
     for (controller, budget), group in cells.items():
-        samples = sum(r["n"] for r in group)
-        accuracy = sum(r["accuracy"] * r["n"] for r in group) / samples
-        reference = [r for r in group if not math.isnan(r["full_accuracy"])]
-        full_accuracy = (sum(r["full_accuracy"] * r["n"] for r in reference) / sum(r["n"] for r in reference)
-                         if reference else math.nan)
+        accuracy, full_accuracy = _weighted(group, "accuracy"), _weighted(group, "full_accuracy")
         methods[controller][round(1 / budget, 4)] = {
             "accuracy": accuracy, "of_full": accuracy / full_accuracy if full_accuracy > 0 else math.nan,
-            "n": samples, "cells": len(group)}
-    full_samples = sum(full[c]["n"] for c in counted)
+            "n": sum(r["n"] for r in group), "cells": len(group)}
     ranking = sorted(methods, key=lambda m: -_mean_score(methods[m]))
     return {"min_full": min_full, "counted": [list(c) for c in counted],
             "left_out": [[*c, accuracy] for c, accuracy in left_out],
-            "full": sum(full[c]["accuracy"] * full[c]["n"] for c in counted) / full_samples if full_samples else math.nan,
+            "full": _weighted([full[c] for c in counted], "accuracy"),
             "methods": {m: methods[m] for m in ranking}, "ranking": ranking}
 
 
@@ -91,11 +86,10 @@ def _summarize_over_seeds(records: list[dict]) -> list[dict]:
             pooled[(row["controller"], row["budget"], row["task"], row["length"])].append(row)
     rows = []
     for (controller, budget, task, length), group in pooled.items():
-        n = sum(r["n"] for r in group)
-        known = [r for r in group if not math.isnan(r["full_accuracy"])]
-        full = sum(r["full_accuracy"] * r["n"] for r in known) / sum(r["n"] for r in known) if len(known) == len(group) else math.nan
-        rows.append({"controller": controller, "budget": budget, "task": task, "length": length, "n": n,
-                     "accuracy": sum(r["accuracy"] * r["n"] for r in group) / n, "full_accuracy": full})
+        known = all(not math.isnan(r["full_accuracy"]) for r in group)  # a seed without its full cache: no ratio
+        rows.append({"controller": controller, "budget": budget, "task": task, "length": length,
+                     "n": sum(r["n"] for r in group), "accuracy": _weighted(group, "accuracy"),
+                     "full_accuracy": _weighted(group, "full_accuracy") if known else math.nan})
     return rows
 
 
