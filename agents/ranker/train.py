@@ -179,7 +179,7 @@ def train(records: list[dict], validation: list[dict], out: str | Path, warm_epo
         best, done, saved_optimiser = state["best"], state["epoch"], state["optimiser"]
         summary.update(state["summary"])
         log(f"resuming {out} after epoch {done} (best validation regret so far {best['regret']:.4f})")
-    if state is not None:  # rows of the epoch the kill interrupted (logged, not saved) are dropped: it runs again
+        # rows of the epoch the kill interrupted (logged, not saved) are dropped: it runs again
         lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
         kept = [line for line in lines if line.strip() and json.loads(line)["epoch"] <= done]
         (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
