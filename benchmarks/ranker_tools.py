@@ -14,14 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from kvgym.cli import (
-    _add_model_args,
-    checked_tasks,
-    parse_fraction_list,
-    parse_int_list,
-    run_handler,
-    write_json,
-)
+from kvgym.arguments import add_model_args, checked_tasks, parse_fraction_list, parse_int_list
+from kvgym.cli import run_handler
+from kvgym.reports import write_json
 
 
 def _add_ranker_sample_args(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_kinds = parser.add_subparsers(dest="ranker", required=True)
     ranker_collect = ranker_kinds.add_parser(
         "collect", help="oneshot-question decision points of task samples: block features + future attention (.pt)")
-    _add_model_args(ranker_collect)
+    add_model_args(ranker_collect)
     ranker_collect.add_argument("--tasks", default="passkey,niah_single,niah_multikey,niah_multivalue,vt")
     ranker_collect.add_argument("--lengths", type=parse_int_list, default=[2048])
     ranker_collect.add_argument("--n", type=int, default=12, help="samples per task and length")
@@ -68,9 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     ranker_train.add_argument("--warm-epochs", type=int, default=30)
     ranker_train.add_argument("--rl-epochs", type=int, default=30)
     ranker_train.add_argument("--seed", type=int, default=0)
-    ranker_train.add_argument("--target", choices=["future", "teacher", "future_value"], default="future",
+    ranker_train.add_argument("--target", choices=["future", "teacher", "teacher_kept", "future_value"],
+                              default="future",
                               help="what a ranking is scored against: the future attention (default), the "
-                                   "teacher's scores of records collected with `--teacher`, or the future attention "
+                                   "teacher's scores of records collected with `--teacher` (teacher_kept: the share "
+                                   "of KV heads that keep each block when kvpress's rule, global over layers and per "
+                                   "KV head, selects on them at the row's budget), or the future attention "
                                    "times the blocks' value norms (records collected since they are recorded)")
     ranker_train.add_argument("--needle-weight", type=float, default=0.0,
                               help="add the blocks that state the answer to the target, worth this many times the "
@@ -125,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ranker_live = ranker_kinds.add_parser(
         "live-train", help="policy gradient on the live teacher-forced KL, from a ranker file (agents.ranker.live_train)")
-    _add_model_args(ranker_live)
+    add_model_args(ranker_live)
     _add_ranker_sample_args(ranker_live)
     ranker_live.add_argument("--start", type=Path, default=Path("policies/ranker_smollm2.pt"), help="the ranker file to start from")
     ranker_live.add_argument("--train-seed", type=int, default=101, help="harness seed of the training samples")
@@ -144,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ranker_live_compare = ranker_kinds.add_parser(
         "live-compare", help="ranker files scored live (teacher-forced KL of their top-b) on held-out samples, paired (JSON)")
-    _add_model_args(ranker_live_compare)
+    add_model_args(ranker_live_compare)
     _add_ranker_sample_args(ranker_live_compare)
     ranker_live_compare.add_argument("--policies", required=True, help="NAME=PATH pairs, comma-separated (ranker files)")
     ranker_live_compare.add_argument("--reference", default=None, help="the NAME compared against (default: the first)")
@@ -154,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ranker_fidelity = ranker_kinds.add_parser(
         "fidelity", help="replay vs live: per episode, Spearman of replay regret and live KL over >= 8 rankings (JSON)")
-    _add_model_args(ranker_fidelity)
+    add_model_args(ranker_fidelity)
     _add_ranker_sample_args(ranker_fidelity)
     ranker_fidelity.add_argument("--policy", type=Path, default=Path("policies/ranker_smollm2.pt"))
     ranker_fidelity.add_argument("--n", type=int, default=2, help="samples per task")

@@ -251,3 +251,21 @@ def run_bandwidth(model, tokenizer=None, *, out_dir: str | Path, max_tokens: int
     title = f"{name}: {max_tokens} tokens, chunk {chunk}, budget {blocks[0]} blocks/layer"
     plot(full_rows, budget_rows, fit, out / "bandwidth.png", title)
     return summary
+
+
+def check_bandwidth_args(chunk: int, corpus: Path | None) -> None:
+    """``kvgym bench bandwidth``'s inputs, checked before a model loads: the chunk size and the corpus file."""
+    if chunk < 1:
+        raise ValueError(f"--chunk {chunk}: tokens per forward step must be >= 1")
+    corpus = corpus if corpus is not None else default_corpus_path()
+    if not corpus.expanduser().is_file():
+        corpus_token_ids(corpus)  # raises the clear error
+
+
+def describe_bandwidth(summary: dict, out: Path) -> str:
+    """Two lines on ``run_bandwidth``'s ``summary``: the full cache's slope and fit, the budgeted run's flatness."""
+    full, budgeted = summary["full"], summary["budgeted"]
+    return (f"full: R² {full['r2']}, slope {full['slope_bytes_per_token']:.1f} B/token, {full['wall_s']} s; "
+            f"budgeted ({budgeted['budget_blocks_per_layer']} blocks/layer): flat ratio {budgeted['flat_ratio']}, "
+            f"{budgeted['operations']} operations, {budgeted['wall_s']} s\n"
+            f"wrote {out}/bandwidth.csv, bandwidth.png, evictions.jsonl, summary.json")

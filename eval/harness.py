@@ -57,209 +57,30 @@ Design:
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import os
 import warnings
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from eval.inputs import FULL, check_inputs, length_bucket, read_tasks_file, task_generator, tasks_file_task
+from eval.records import (
+    KEY_FIELDS,
+    append_record,
+    check_config,
+    controller_digest,
+    exclusive_folder,
+    load_records,
+    sample_hash,
+)
 from eval.tasks.base import sample_seed
 
-FULL = "full"
 FULL_BUDGET = 1.0
-CUSTOM_METRICS = ("string_match_all", "string_match_part", "exact")
-KEY_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "sample_hash")
-RECORD_FIELDS = KEY_FIELDS + (
-    "protocol", "sample_seed", "metric", "prompt_tokens", "context_tokens", "new_tokens", "text", "score",
-    "turn_scores", "kl", "perplexity", "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token",
-    "ttft_ms", "fallbacks", "budget_blocks", "peak_device_blocks", "operations",
-)
-TIMING_FIELDS = ("decode_ms_per_token", "ttft_ms")
-TASKS_FILE_KEYS = {"input": "input, or context + question", "context": "optional", "question": "optional",
-                   "outputs": "required", "metric": "required", "answer_prefix": "optional", "max_new_tokens": "optional"}
-
-
-# ---------------------------------------------------------------- inputs
 
 
 
 
-def sample_hash(sample) -> str:
-    """A hash of what a sample asks and expects (text, answer prefix, gold answers, turns, metric)."""
-    content = {"input": sample.input, "question": sample.question, "answer_prefix": sample.answer_prefix,
-               "outputs": list(sample.outputs), "metric": sample.metric, "continuation": sample.continuation,
-               "max_new_tokens": sample.max_new_tokens,
-               "turns": [[t.question, t.answer_prefix, list(t.outputs)] for t in sample.turns]}
-    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def available_tasks() -> list[str]:
-    """Every registered task name."""
-    import eval.tasks  # noqa: F401  (registration)
-    from eval.tasks.base import TASKS
-
-    return sorted(TASKS)
-
-
-def task_generator(name: str):
-    """The registered generator of ``name``; an unknown name is a ``--tasks`` error."""
-    from eval.tasks.base import get_task
-
-    try:
-        return get_task(name)
-    except ValueError as err:
-        raise ValueError(f"--tasks: {err}") from None
-
-
-def split_specs(text: str) -> list[str]:
-    """``"lru,h2o:heavy_ratio=0.25,recent_ratio=0.25,full"`` → ``["lru", "h2o:heavy_ratio=0.25,recent_ratio=0.25", "full"]``:
-    a comma-separated piece with ``=`` and no ``:`` is a parameter of the spec before it."""
-    specs: list[str] = []
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        if "=" in piece and ":" not in piece and specs:
-            specs[-1] += "," + piece
-        else:
-            specs.append(piece)
-    return specs
-
-
-def _as_list(value, flag: str) -> list:
-    if isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    value = list(value)
-    if not value:
-        raise ValueError(f"{flag}: the list is empty; give at least one value")
-    return value
-
-
-def check_inputs(controllers, budgets, tasks, lengths, n, max_positions: int | None = None):
-    """Normalise and validate; errors name the command-line flag. Returns (specs, budgets, tasks, lengths)."""
-    from agents.registry import make_controller, parse_spec
-
-    specs = split_specs(controllers) if isinstance(controllers, str) else [str(c).strip() for c in controllers]
-    if not specs:
-        raise ValueError("--controllers: the list is empty; give at least one controller (e.g. lru,h2o,full)")
-    for spec in specs:
-        make_controller(spec)  # the registry's error for an unknown name or parameter
-    names = [parse_spec(spec)[0] for spec in specs]
-    specs = [FULL if name == FULL else spec for spec, name in zip(specs, names, strict=True)]
-    specs = list(dict.fromkeys(specs))
-
-    budget_list = []
-    for value in _as_list(budgets, "--budgets"):
-        try:
-            budget = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"--budgets: {value!r} is not a number; give fractions in (0, 1] like 0.25") from None
-        if not 0.0 < budget <= 1.0 or math.isnan(budget):
-            raise ValueError(f"--budgets: {value!r} is outside (0, 1]; a budget is a fraction of the context's tokens")
-        budget_list.append(budget)
-    budget_list = sorted(set(budget_list))
-
-    task_list = list(dict.fromkeys(str(t).strip() for t in _as_list(tasks, "--tasks"))) if tasks is not None else []
-
-    length_list = []
-    for value in _as_list(lengths, "--lengths") if tasks is not None else []:
-        try:
-            length = int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"--lengths: {value!r} is not an integer token count") from None
-        if length <= 0:
-            raise ValueError(f"--lengths: {value!r} must be a positive token count")
-        if max_positions is not None and length >= max_positions:
-            raise ValueError(f"--lengths: {length} tokens leave no room to answer within the model's "
-                             f"{max_positions} positions")
-        length_list.append(length)
-    length_list = list(dict.fromkeys(length_list))
-
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise ValueError(f"--n: the number of samples per task and length must be a positive integer, got {n!r}")
-    return specs, budget_list, task_list, length_list
-
-
-def read_tasks_file(path: str | Path) -> list[dict]:
-    """Parse a JSONL file of user samples; a malformed line raises ``ValueError("F.jsonl line 3: ...")``.
-
-    Each non-blank line is an object with ``input`` (non-empty string) or ``context`` and ``question`` (strings;
-    ``input`` may be given too and must then equal their concatenation), ``outputs`` (non-empty list of
-    strings), ``metric`` (string_match_all | string_match_part | exact) and optionally ``answer_prefix``
-    (string, default "") and ``max_new_tokens`` (positive integer, default 32). Other keys are refused (a
-    misspelt key would otherwise be ignored). Blank lines are skipped.
-    """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"--tasks-file: {str(path)!r} does not exist or is not a file")
-    entries, seen = [], {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-
-            def bad(message, number=number):
-                return ValueError(f"{path.name} line {number}: {message}")
-
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise bad(f"not valid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(item, dict):
-                raise bad(f"expected a JSON object, got {type(item).__name__}")
-            unknown = sorted(set(item) - set(TASKS_FILE_KEYS))
-            if unknown:
-                raise bad(f"unknown key(s) {unknown}; the keys are {', '.join(TASKS_FILE_KEYS)}")
-            missing = [k for k, need in TASKS_FILE_KEYS.items() if need == "required" and k not in item]
-            if "input" not in item and not ("context" in item and "question" in item):
-                missing.insert(0, "input (or context and question)")
-            if missing:
-                raise bad(f"missing key(s) {missing}")
-            for key in ("context", "question"):
-                if key in item and not isinstance(item[key], str):
-                    raise bad(f"'{key}' must be a string")
-            question = item.get("question", "")
-            if "context" in item:
-                joined = item["context"] + question
-                if "input" in item and item["input"] != joined:
-                    raise bad("'input' must equal 'context' + 'question' when all three are given")
-                item["input"] = joined
-            elif question and not str(item["input"]).endswith(question):
-                raise bad("'question' must be the end of 'input'")
-            if not isinstance(item["input"], str) or not item["input"].strip():
-                raise bad("'input' must be a non-empty string")
-            prefix = item.get("answer_prefix", "")
-            if not isinstance(prefix, str):
-                raise bad("'answer_prefix' must be a string (may be empty)")
-            outputs = item["outputs"]
-            if (not isinstance(outputs, list) or not outputs
-                    or not all(isinstance(o, str) and o.strip() for o in outputs)):
-                raise bad("'outputs' must be a non-empty list of non-empty strings (the gold answers)")
-            if item["metric"] not in CUSTOM_METRICS:
-                raise bad(f"'metric' {item['metric']!r} is not one of {', '.join(CUSTOM_METRICS)}")
-            max_new = item.get("max_new_tokens", 32)
-            if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new <= 0:
-                raise bad(f"'max_new_tokens' must be a positive integer, got {max_new!r}")
-            entry = {"input": item["input"], "question": question, "answer_prefix": prefix, "outputs": list(outputs),
-                     "metric": item["metric"], "max_new_tokens": max_new}
-            content = json.dumps(entry, sort_keys=True)
-            if content in seen:
-                raise bad(f"repeats line {seen[content]} (the same sample would run and count twice); remove one")
-            seen[content] = number
-            entries.append({**entry, "line": number})
-    if not entries:
-        raise ValueError(f"--tasks-file: {path.name} holds no samples")
-    return entries
-
-
-def length_bucket(tokens: int) -> int:
-    """The power of two at or above ``tokens`` (custom samples are grouped by it)."""
-    return 1 << max(int(tokens) - 1, 0).bit_length()
 
 
 # ---------------------------------------------------------------- prompts and metrics
@@ -422,105 +243,6 @@ def _turn_view(sample, number: int):
     return {"metric": sample.metric, "outputs": sample.turns[number - 1].outputs, "task": sample.task}
 
 
-def controller_digest(spec: str) -> str | None:
-    """A digest (sha256, 16 hex digits) of the files the controller of ``spec`` reads, those it names
-    (``ranker:policies/x.pt``) and those it uses by default (a plain ``ranker``: the shipped file), or None when
-    it reads none."""
-    from agents.registry import resolved_parameters
-
-    files = [Path(value) for value in resolved_parameters(spec).values()
-             if isinstance(value, str) and value and Path(value).is_file()]
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def record_key(record: dict) -> tuple:
-    """What makes two records the same run: controller, budget, task, length, index, seed and sample hash."""
-    return (str(record["controller"]), float(record["budget"]), str(record["task"]), int(record["length"]),
-            int(record["index"]), int(record["seed"]), str(record.get("sample_hash", "")))
-
-
-def append_record(path: Path, record: dict) -> None:
-    """Append ``record`` as one line of ``path``, on a line of its own even when the file's last line lacks its
-    newline (a run killed between the two writes of an older kvgym, or an edited file)."""
-    line = json.dumps(record) + "\n"
-    with open(path, "a+b") as sink:
-        if sink.tell() > 0:
-            sink.seek(-1, os.SEEK_END)
-            if sink.read(1) != b"\n":
-                line = "\n" + line
-        sink.write(line.encode("utf-8"))
-
-
-def load_records(path: Path) -> dict[tuple, dict]:
-    """Records already in ``samples.jsonl`` by key; a truncated last line is dropped (file rewritten)."""
-    if not path.is_file():
-        return {}
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records: dict[tuple, dict] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            key = record_key(record)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            if number == len(lines) and not path.read_text(encoding="utf-8").endswith("\n"):
-                warnings.warn(f"{path}: dropping the truncated last line {number} (an interrupted write)", stacklevel=2)
-                path.write_text("".join(f"{kept}\n" for kept in lines[: number - 1] if kept.strip()), encoding="utf-8")
-                break
-            raise ValueError(f"{path} line {number}: not a sample record ({err}); fix or remove the line") from None
-        records[key] = record
-    return records
-
-
-CONFIG_DEFAULTS = {"budget_scope": None}  # settings added later: what a folder written before them ran with
-
-
-def _check_config(out: Path, config: dict) -> None:
-    path = out / "eval_config.json"
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-            if not isinstance(old, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as err:  # an empty or damaged file (json's errors are ValueErrors)
-            raise ValueError(f"{path} is empty or damaged ({err}); remove it to rewrite it from this run's settings "
-                             "(samples.jsonl is kept), or use a fresh --out") from None
-        changed = {k: (old.get(k, CONFIG_DEFAULTS.get(k)), v) for k, v in config.items()
-                   if old.get(k, CONFIG_DEFAULTS.get(k)) != v}
-        if changed:
-            details = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
-            raise ValueError(f"{out} holds results made with other settings ({details}); use a fresh --out")
-    else:
-        from agents.policy_file import atomic_write
-
-        with atomic_write(path, ".json") as tmp:
-            Path(tmp).write_text(json.dumps(config, indent=2) + "\n")
-
-
-@contextmanager
-def exclusive_folder(out: Path):
-    """Hold ``out/.eval.lock`` (an OS lock, released when the process ends, killed or not): a second eval into
-    the same folder while one runs is refused instead of writing duplicated rows."""
-    import fcntl
-
-    handle = open(out / ".eval.lock", "a+")  # noqa: SIM115  (held for the whole block)
-    try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"--out {out}: another kvgym eval is writing to this folder; wait for it to finish "
-                             "or give another --out") from None
-        yield
-    finally:
-        handle.close()
-
-
 def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, seed: int, out_dir: str | Path, *,
              tasks_file: str | Path | None = None, dataset: str | None = None, dataset_split: str | None = None,
              chat: bool = True, host_blocks: int = 0, block_size: int = 16, prefill_chunk: int = 64,
@@ -563,7 +285,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
     if tasks_file is not None:
         from eval.tasks.base import Sample
 
-        stem = Path(tasks_file).stem
+        stem = tasks_file_task(tasks_file)
         if stem in task_list:
             raise ValueError(f"--tasks-file: its task name {stem!r} (the file's stem) is also in --tasks; rename the file")
         for index, entry in enumerate(read_tasks_file(tasks_file)):
@@ -588,7 +310,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
     out.mkdir(parents=True, exist_ok=True)
     with exclusive_folder(out):
         name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        _check_config(out, {"model": name, "chat": chat, "host_blocks": host_blocks, "block_size": block_size,
+        check_config(out, {"model": name, "chat": chat, "host_blocks": host_blocks, "block_size": block_size,
                             "prefill_chunk": prefill_chunk, "decide_every": decide_every, "protocol": protocol,
                             "decode_budget": decode_budget, "budget_scope": budget_scope})
         samples_path = out / "samples.jsonl"

@@ -32,7 +32,7 @@ def setting_of(config: dict) -> str:
 
 def read_folders(folders: list[str | Path]) -> dict[str, list[dict]]:
     """Every folder's records grouped by setting; a run recorded in several folders of one setting counts once."""
-    from eval.harness import record_key
+    from eval.records import record_key
 
     by_setting: dict[str, dict[tuple, dict]] = defaultdict(dict)
     for folder in map(Path, folders):

@@ -84,3 +84,14 @@ def markdown(rows: list[dict]) -> str:
                   else "" for t in tasks]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def parse_pairs(items: list[str]) -> dict[str, str]:
+    """``--pair SPEC=PRESS`` values → ``{spec: press}``; a value without both sides is an error naming it."""
+    pairs = {}
+    for item in items:
+        spec, sep, press = item.rpartition("=")
+        if not sep or not spec or not press:
+            raise ValueError(f"--pair {item!r}: give SPEC=PRESS, e.g. kvzip=kvzip_layerwise_shared")
+        pairs[spec] = press
+    return pairs

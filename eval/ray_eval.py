@@ -28,7 +28,8 @@ class EvalWorker:
         self.generators: dict = {}
 
     def run(self, item, seed: int, keys: list[tuple]) -> list[tuple[tuple, dict]]:
-        from eval.harness import _make_sample, sample_records, task_generator
+        from eval.harness import _make_sample, sample_records
+        from eval.inputs import task_generator
 
         if item.sample is None and item.task not in self.generators:
             self.generators[item.task] = task_generator(item.task)

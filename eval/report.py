@@ -22,11 +22,15 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
+from eval.records import record_key
+
 SUMMARY_COLUMNS = ("controller", "budget", "task", "length", "n", "accuracy", "ci_low", "ci_high", "rel_accuracy",
                    "turn_accuracy", "kl", "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token",
                    "ttft_ms", "full_cache_failed")
 MEAN_FIELDS = ("kl", "bytes_read_per_token", "bytes_moved_per_token", "decode_ms_per_token", "ttft_ms")
 FULL = "full"
+SAMPLE_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "score")  # what a summary reads
+COMPARE_FIELDS = ("controller", "budget", "task", "length", "score")  # compare pairs by task, length and sample
 
 
 def _mean(values) -> float:
@@ -392,3 +396,15 @@ def write_report(records: list[dict], out_dir: str | Path, plots: bool = True) -
         plot_accuracy_vs_budget(rows, out / "accuracy_vs_budget.png")
         plot_bytes_vs_context(rows, out / "bytes_vs_context.png")
     return rows
+
+
+def report_folder(folder: Path, plots: bool = True) -> tuple[list[dict], list[dict]]:
+    """Rewrite ``folder``'s summary (md, csv, plots) from every record of its ``samples.jsonl`` (several runs may
+    have added to it; a record run twice counts once); returns the summary rows and the records."""
+    samples = records_file(folder / "samples.jsonl")
+    if not samples.is_file():
+        raise ValueError(f"{folder}: no samples.jsonl in it; give a folder written by kvgym eval")
+    records = list({record_key(record): record for record in read_jsonl(samples, SAMPLE_FIELDS)}.values())
+    if not records:
+        raise ValueError(f"{samples}: no records")
+    return write_report(records, folder, plots=plots), records

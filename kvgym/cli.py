@@ -1,90 +1,22 @@
-"""The ``kvgym`` command line: the only place that imports every part of the project.
-
-Subcommands:
-  kvgym setup                      fetch and convert the default model (idempotent)
-  kvgym generate [options]         run a prompt through the paged cache and print the text and cache state
-  kvgym bench bandwidth [options]  bytes per attention call vs context, full cache vs a budget (CSV, PNG, JSON)
-  kvgym bench cache [options]      decode/prefill speed of the paged cache vs DynamicCache (JSON)
-  kvgym bench ops [options]        operation times, CacheView cost, budgeted (evict / merge) vs full decode (JSON)
-  kvgym bench roofline [options]   memory bandwidth and decode time as a fraction of the byte floor (JSON)
-  kvgym eval [options]             tasks × lengths × controllers × budgets vs the full cache (JSONL, CSV, MD, PNG)
-  kvgym train --config C [k=v ...] the ranking policy from a config: decision points, imitation, policy gradient,
-                                   PPO; TensorBoard, checkpoints (--resume); writes runs/<name>/policy.pt
-  kvgym bench policy [options]     ranking policy: ms per decision scoring every block, replay env steps/s (JSON)
-  kvgym bench eval [options]       evaluation runs per hour with and without shared dense prefills (JSON)
-  kvgym tensorboard [--logdir D]   TensorBoard on the training runs (offline)
-  kvgym peer --samples S --peer P  kvgym's eval results beside kvpress's on the same samples (Markdown)
-  kvgym compare --samples S --controller C  C vs every other controller on the same samples, paired CIs
-  kvgym report FOLDER              rewrite a results folder's summary (md, csv, plots) from all its records
-"""
+"""The ``kvgym`` command line: it parses, checks what can be checked before a model loads, and calls the module that
+does the work (``kvgym --help`` lists the commands). The only place that imports every part of the project."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from importlib import resources
 from pathlib import Path
 
-BUNDLED_PROMPT = "alice_chapter1.txt"
-PROTOCOL_CHOICES = ("streaming", "oneshot", "oneshot-question", "multiturn")  # cache.runner.PROTOCOLS
-
-
-def bundled_prompt() -> str:
-    """The demo prompt shipped with the package."""
-    return resources.files("kvgym").joinpath("prompts", BUNDLED_PROMPT).read_text()
-
-
-def parse_budget(text: str | None):
-    """``0.25`` → a fraction of the context; ``64`` → blocks per layer; ``none``/``full`` → no budget
-    (``cache.runner.parse_budget``, the one budget parser)."""
-    from cache.runner import parse_budget as parse
-
-    try:
-        return parse(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def parse_int_list(text: str) -> list[int]:
-    """Comma-separated integers; an error names the bad value."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers like 512,2048") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
-    return values
-
-
-def parse_fraction_list(text: str) -> list[float]:
-    """Comma-separated fractions in (0, 1]; an error names the bad value."""
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated fractions like 0.125,0.25") from None
-    if not values or not all(0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected fractions in (0, 1]")
-    return values
-
-
-def checked_tasks(text: str) -> list[str]:
-    """Comma-separated task names, each looked up so that an unknown task fails before the model is loaded."""
-    from eval.tasks.base import get_task
-
-    tasks = [t.strip() for t in text.split(",") if t.strip()]
-    for task in tasks:
-        get_task(task)
-    return tasks
-
-
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    from cache.models import DEFAULT_MODEL, MODEL_ALIASES
-
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"alias ({', '.join(sorted(MODEL_ALIASES))}), local checkpoint folder, or hub id")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
+from kvgym.arguments import (
+    BUNDLED_PROMPT,
+    PROTOCOL_CHOICES,
+    add_model_args,
+    bundled_prompt,
+    parse_budget,
+    parse_int_list,
+)
+from kvgym.reports import write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--rebuild", action="store_true", help="convert again even if a valid copy exists")
 
     generate = commands.add_parser("generate", help="run a prompt through the paged cache")
-    _add_model_args(generate)
+    add_model_args(generate)
     source = generate.add_mutually_exclusive_group()
     source.add_argument("--prompt-file", type=Path, help=f"text file with the prompt (default: bundled {BUNDLED_PROMPT})")
     source.add_argument("--prompt", help="the prompt text itself")
@@ -124,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks (write JSON)")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     bench_cache = bench_kinds.add_parser("cache", help="decode ms/token and prefill time: paged vs DynamicCache")
-    _add_model_args(bench_cache)
+    add_model_args(bench_cache)
     bench_cache.add_argument("--contexts", type=parse_int_list, default=[512, 2048, 4096])
     bench_cache.add_argument("--decode-steps", type=int, default=32)
     bench_cache.add_argument("--prefill-repeats", type=int, default=3)
@@ -142,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ranker.add_argument("--json", type=Path, required=True, help="where to write the results")
 
     bandwidth = bench_kinds.add_parser("bandwidth", help="attention bytes per call vs context: full cache vs a budget")
-    _add_model_args(bandwidth)
+    add_model_args(bandwidth)
     bandwidth.add_argument("--max-tokens", type=int, default=8192, help="tokens of the corpus to stream (its first N)")
     bandwidth.add_argument("--budget", type=parse_budget, default=0.25,
                            help="device budget of the budgeted run: fraction of --max-tokens (0.25) or blocks per layer (64)")
@@ -152,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     bandwidth.add_argument("--host-blocks", type=int, default=0, help="host-tier blocks per layer (0: evicted blocks are dropped)")
     bandwidth.add_argument("--out", type=Path, required=True, help="folder for bandwidth.csv/.png, evictions.jsonl, summary.json")
     bench_eval = bench_kinds.add_parser("eval", help="evaluation runs per hour with and without shared dense prefills")
-    _add_model_args(bench_eval)
+    add_model_args(bench_eval)
     bench_eval.add_argument("--controllers", default="h2o,tova,snapkv,streamingllm,lru")
     bench_eval.add_argument("--budgets", default="0.125,0.25,0.5")
     bench_eval.add_argument("--tasks", default="passkey")
@@ -161,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_eval.add_argument("--protocol", default="oneshot-question", choices=("oneshot", "oneshot-question"))
     bench_eval.add_argument("--json", type=Path, required=True, help="where to write the results")
     bench_ops = bench_kinds.add_parser("ops", help="time per operation, CacheView cost, budgeted vs full decode")
-    _add_model_args(bench_ops)
+    add_model_args(bench_ops)
     bench_ops.add_argument("--contexts", type=parse_int_list, default=[4096, 8192])
     bench_ops.add_argument("--budget", type=float, default=0.25)
     bench_ops.add_argument("--decode-steps", type=int, default=32,
@@ -170,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_roofline = bench_kinds.add_parser(
         "roofline", help="memory bandwidth, per-token byte floor, decode time as a fraction of it (full / budgeted)")
-    _add_model_args(bench_roofline)
+    add_model_args(bench_roofline)
     bench_roofline.add_argument("--contexts", type=parse_int_list, default=[512, 2048, 4096, 8192])
     bench_roofline.add_argument("--budget", type=float, default=0.25)
     bench_roofline.add_argument("--decode-steps", type=int, default=16)
@@ -179,18 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluation = commands.add_parser(
         "eval", help="accuracy, KL and bytes of controllers × budgets on the task suite, against the full cache")
-    _add_model_args(evaluation)
+    add_model_args(evaluation)
     evaluation.add_argument("--controllers", default="lru,sentencekv,spindlekv,h2o,full",
                             help="comma-separated controller specs (parameters stay with their spec: "
                                  "lru,h2o:heavy_ratio=0.25,recent_ratio=0.25); the full cache always runs as the reference")
     evaluation.add_argument("--budgets", default="0.125,0.25,0.5",
                             help="comma-separated device budgets, fractions in (0, 1] of each sample's context")
     evaluation.add_argument("--protocol", default="streaming", choices=PROTOCOL_CHOICES,
-                            help="streaming (chunked prefill with decisions, a decision after the question, bounded "
-                                 "memory), oneshot (kvpress: dense prefill of the context, one decision, the cache "
-                                 "grows; a multi-turn sample is compressed once, then its turns follow), oneshot-question "
-                                 "(the question inside the dense prefill), multiturn (streamed, the budget held "
-                                 "across turns)")
+                            help="streaming (chunked prefill, decisions throughout, bounded memory), oneshot (kvpress: "
+                                 "the context prefilled densely, one decision, the cache grows), oneshot-question (the "
+                                 "question inside the dense prefill), multiturn (streamed, one budget across turns)")
     evaluation.add_argument("--decode-budget", default="grow", choices=("grow", "fixed"),
                             help="one-shot protocols: the cache grows after the decision (kvpress), or keeps the budget")
     evaluation.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
@@ -199,10 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--ray-workers", type=int, default=None,
                             help="with --ray: how many model workers (default: one per CPU of the cluster)")
     evaluation.add_argument("--budget-scope", default=None, choices=("layer", "global"),
-                            help="layer: every layer holds its share of the budget; global (kvpress's layerwise=False): "
-                                 "only the total over layers holds, and score-based baselines evict their lowest "
-                                 "scores over all layers (default: each controller's own: global for kvzip, as in "
-                                 "kvpress, unless kvzip:layerwise=true; layer for the others)")
+                            help="layer: each layer holds its share; global (kvpress's layerwise=False): only the total "
+                                 "holds, score-based baselines evict their lowest scores over all layers (default: the "
+                                 "controller's own: global for kvzip unless kvzip:layerwise=true, layer otherwise)")
     evaluation.add_argument("--dataset", default=None,
                             help="samples through `datasets`: a local JSONL/Parquet file or folder, or a hub id "
                                  "(kvpress schema: context, question, answers; SCBench: context, multi_turns)")
@@ -275,36 +204,10 @@ DEFAULT_EVAL_TASKS = "passkey,niah_single,vt,research,text"
 def cmd_eval(args) -> int:
     """``kvgym eval``: check the inputs before loading the model, then run the grid (``eval.harness``)."""
     from cache import models
-    from eval.harness import check_inputs, evaluate, read_tasks_file, task_generator
+    from eval.harness import evaluate
+    from eval.inputs import check_eval_args
 
-    tasks = args.tasks if args.tasks is not None else (
-        None if args.tasks_file or args.dataset or args.family_split else DEFAULT_EVAL_TASKS)
-    if args.family_split is not None:
-        from eval.tasks.families import FAMILY_TASKS
-
-        tasks = ",".join(t for t in [tasks, FAMILY_TASKS[args.family_split]] if t)
-    # everything that can be checked without the model is checked before loading it
-    _, _, task_list, _ = check_inputs(args.controllers, args.budgets, tasks, args.lengths, args.n)
-    for task in task_list:
-        task_generator(task)
-    if args.tasks_file is not None:
-        read_tasks_file(args.tasks_file)
-    if args.dataset is not None:
-        from eval.datasets import load_samples
-
-        load_samples(args.dataset, split=args.dataset_split, limit=args.n)
-    if args.block_size < 1:
-        raise ValueError(f"--block-size {args.block_size}: must be a positive integer")
-    ray = None
-    if args.ray is not None:
-        if args.ray_workers is not None and args.ray_workers < 1:
-            raise ValueError(f"--ray-workers {args.ray_workers}: give a positive number of workers")
-        try:
-            import ray as _  # noqa: F401  (only to say early that it is missing)
-        except ImportError:
-            raise ValueError("--ray: Ray is not installed; pip install 'kvgym[ray]' (or pip install ray)") from None
-        ray = {"address": args.ray, "workers": args.ray_workers, "model": args.model, "device": args.device,
-               "dtype": args.dtype}
+    tasks, ray = check_eval_args(args, DEFAULT_EVAL_TASKS)
     loaded = models.load_model(args.model, device=args.device, dtype=args.dtype)
     rows = evaluate(loaded.model, loaded.tokenizer, args.controllers, args.budgets, tasks, args.lengths, args.n,
                     args.seed, args.out, tasks_file=args.tasks_file, dataset=args.dataset,
@@ -332,99 +235,17 @@ def cmd_setup(args) -> int:
     return 0
 
 
-def _prompt_ids(loaded, text: str, chat: bool) -> list[int]:
-    from eval.tasks.prompt import text_prompt
-
-    return text_prompt(loaded.tokenizer, text, chat).ids
-
-
-def read_prompt_file(path: Path) -> str:
-    """The UTF-8 text of ``--prompt-file``; a ``ValueError`` naming the file when it is a folder, missing,
-    unreadable or binary."""
-    accepted = "expected a UTF-8 text file"
-    if path.is_dir():
-        raise ValueError(f"--prompt-file {path}: is a folder; {accepted}")
-    if not path.is_file():
-        raise ValueError(f"--prompt-file {path}: no such file; {accepted}")
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise ValueError(f"--prompt-file {path}: cannot be read ({err.strerror}); {accepted}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {err.start} is 0x{data[err.start]:02x}); "
-                         f"{accepted}") from None
-    if "\x00" in text:
-        raise ValueError(f"--prompt-file {path}: holds NUL bytes, so it looks binary; {accepted}")
-    return text
-
-
-def _check_generate_args(args) -> str:
-    """Everything ``generate`` can check before loading the model; returns the prompt text."""
-    for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--block-size", args.block_size, 1),
-                               ("--prefill-chunk", args.prefill_chunk, 1), ("--decide-every", args.decide_every, 1),
-                               ("--host-blocks", args.host_blocks, 0), ("--disk-blocks", args.disk_blocks, 0)):
-        if value < least:
-            raise ValueError(f"{flag} {value}: must be {'a positive integer' if least else 'an integer >= 0'}")
-    if args.prompt is not None:
-        text, source = args.prompt, "--prompt"
-    elif args.prompt_file is not None:
-        text, source = read_prompt_file(args.prompt_file), f"--prompt-file {args.prompt_file}"
-    else:
-        text, source = bundled_prompt(), "the bundled prompt"
-    if not text.strip():
-        raise ValueError(f"{source}: the prompt is empty; give some text to continue or answer")
-    return text
-
-
 def cmd_generate(args) -> int:
-    """``kvgym generate``: one prompt under one controller, with the cache's state after the run."""
-    from rich.console import Console
-    from rich.table import Table
+    """``kvgym generate``: ``kvgym.generate``."""
+    from kvgym.generate import generate
 
-    from agents.registry import make_controller
-    from cache.models import load_model
-    from cache.paged_cache import CacheConfig
-    from cache.runner import Runner
-
-    text = _check_generate_args(args)
-    controller = make_controller(args.controller) if args.controller else None
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    ids = _prompt_ids(loaded, text, chat=not args.no_chat)
-    cache_config = CacheConfig(block_size=args.block_size, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks)
-    runner = Runner(loaded.model, loaded.tokenizer, cache_config, controller=controller, budget=args.budget,
-                    prefill_chunk=args.prefill_chunk, decide_every=args.decide_every, protocol=args.protocol)
-    result = runner.run(ids, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
-                        temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    if result.cache is not None:
-        result.cache.close()
-    console = Console()
-    console.print(f"[bold]model[/] {loaded.name}  [bold]controller[/] {args.controller or 'built-in oldest-first'}  "
-                  f"[bold]prompt[/] {result.prompt_tokens} tokens  "
-                  f"[bold]budget[/] {args.budget if args.budget is not None else 'full'}"
-                  + (f" = {result.budget_blocks[0]} blocks/layer" if result.budget_blocks else ""))
-    console.print("[bold]output:[/]")
-    print(result.text)
-    table = Table(title="cache state after the run (all layers)")
-    for column in ("tier", "blocks (sum)", "per layer min..max"):
-        table.add_column(column)
-    for tier, counts in result.blocks_per_tier.items():
-        table.add_row(tier, str(sum(counts)), f"{min(counts)}..{max(counts)}")
-    console.print(table)
-    summary = result.summary()
-    console.print(f"bytes read by attention per decoded token: {summary['bytes_read_per_token']:,}  "
-                  f"(all layers)  bytes moved: {summary['bytes_moved'] or 0}")
-    console.print(f"prefill {summary['prefill_s']} s, decode {summary['decode_ms_per_token']} ms/token, "
-                  f"decisions {summary['decisions']}, operations {summary['operations']}, fallbacks {summary['fallbacks']}")
-    if args.json:
-        write_json({**summary, "text": result.text}, args.json)
+    generate(args)
     return 0
 
 
 def cmd_bench(args) -> int:
     """``kvgym bench``: the benchmark scripts behind BENCHMARKS.md."""
-    from cache.benchmark import bench_cache, bench_ops
+    from cache.benchmark import bench_cache, bench_ops, bench_roofline
     from cache.models import load_model
 
     if args.bench == "bandwidth":
@@ -440,62 +261,37 @@ def cmd_bench(args) -> int:
         print(json.dumps(report, indent=1))
         return 0
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer, prompt = loaded.model, loaded.tokenizer, bundled_prompt()
+    progress = lambda row: print(json.dumps(row), flush=True)  # noqa: E731
     if args.bench == "eval":
         from eval.benchmark import bench_eval
 
-        report = bench_eval(loaded.model, loaded.tokenizer, args.controllers, args.budgets, args.tasks, args.lengths,
-                            args.n, args.protocol, model_name=args.model,
-                            progress=lambda row: print(json.dumps(row), flush=True))
-        return _write_report(report, args)
-    if args.bench == "ops":
-        report = bench_ops(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts, budget=args.budget,
-                           decode_steps=args.decode_steps, progress=lambda row: print(json.dumps(row), flush=True))
-        return _write_report(report, args)
-    if args.bench == "roofline":
-        from cache.benchmark import bench_roofline
-
-        report = bench_roofline(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts, budget=args.budget,
-                                decode_steps=args.decode_steps, bandwidth_mb=args.bandwidth_mb,
-                                progress=lambda row: print(json.dumps(row), flush=True))
-        return _write_report(report, args)
-    report = bench_cache(loaded.model, loaded.tokenizer, bundled_prompt(), args.contexts,
-                         decode_steps=args.decode_steps, prefill_repeats=args.prefill_repeats, progress=lambda row: print(json.dumps(row), flush=True))
-    return _write_report(report, args)
-
-
-def _write_report(report: dict, args) -> int:
-    report["model"] = args.model
-    report["device"] = args.device
-    write_json(report, args.json)
+        report = bench_eval(model, tokenizer, args.controllers, args.budgets, args.tasks, args.lengths, args.n,
+                            args.protocol, model_name=args.model, progress=progress)
+    elif args.bench == "ops":
+        report = bench_ops(model, tokenizer, prompt, args.contexts, budget=args.budget, decode_steps=args.decode_steps,
+                           progress=progress)
+    elif args.bench == "roofline":
+        report = bench_roofline(model, tokenizer, prompt, args.contexts, budget=args.budget,
+                                decode_steps=args.decode_steps, bandwidth_mb=args.bandwidth_mb, progress=progress)
+    else:
+        report = bench_cache(model, tokenizer, prompt, args.contexts, decode_steps=args.decode_steps,
+                             prefill_repeats=args.prefill_repeats, progress=progress)
+    write_json({**report, "model": args.model, "device": args.device}, args.json)
     return 0
-
-
-def write_json(report: dict | list, path: Path) -> None:
-    """Write ``report`` as indented JSON to ``path`` (its folder created; numpy numbers as numbers)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
-    print(f"wrote {path}")
 
 
 def cmd_bandwidth(args) -> int:
     """``kvgym bench bandwidth``: bytes read per token against context length."""
     from cache.models import load_model
-    from eval.bandwidth import corpus_token_ids, default_corpus_path, run_bandwidth
+    from eval.bandwidth import check_bandwidth_args, describe_bandwidth, run_bandwidth
 
-    if args.chunk < 1:
-        raise ValueError(f"--chunk {args.chunk}: tokens per forward step must be >= 1")
-    corpus = args.corpus if args.corpus is not None else default_corpus_path()
-    if not corpus.expanduser().is_file():
-        corpus_token_ids(corpus)  # raises the clear error before the model is loaded
+    check_bandwidth_args(args.chunk, args.corpus)  # before the model is loaded
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     summary = run_bandwidth(loaded.model, loaded.tokenizer, out_dir=args.out, max_tokens=args.max_tokens,
                             budget=args.budget, chunk=args.chunk, corpus=args.corpus, host_blocks=args.host_blocks,
                             model_name=args.model)
-    full, budgeted = summary["full"], summary["budgeted"]
-    print(f"full: R² {full['r2']}, slope {full['slope_bytes_per_token']:.1f} B/token, {full['wall_s']} s; "
-          f"budgeted ({budgeted['budget_blocks_per_layer']} blocks/layer): flat ratio {budgeted['flat_ratio']}, "
-          f"{budgeted['operations']} operations, {budgeted['wall_s']} s")
-    print(f"wrote {args.out}/bandwidth.csv, bandwidth.png, evictions.jsonl, summary.json")
+    print(describe_bandwidth(summary, args.out))
     return 0
 
 
@@ -519,36 +315,32 @@ def cmd_tensorboard(args) -> int:
 
 def cmd_peer(args) -> int:
     """``kvgym peer``: kvgym's records beside kvpress's on the same samples."""
-    from eval.peer import compare, markdown
+    from eval.peer import compare, markdown, parse_pairs
     from eval.report import records_file
 
     for path in (args.samples, args.peer):
         if not records_file(path).is_file():
             raise ValueError(f"{path}: no such file; give a samples.jsonl and a kvpress results file")
-    pairs = {}
-    for item in args.pair:
-        spec, sep, press = item.rpartition("=")
-        if not sep or not spec or not press:
-            raise ValueError(f"--pair {item!r}: give SPEC=PRESS, e.g. kvzip=kvzip_layerwise_shared")
-        pairs[spec] = press
-    rows = compare(args.samples, args.peer, pairs)
+    rows = compare(args.samples, args.peer, parse_pairs(args.pair))
     if not rows:
         raise ValueError(f"{args.samples}: no controller with a kvpress counterpart on the same sample indexes")
     print(markdown(rows))
     return 0
 
 
-SAMPLE_FIELDS = ("controller", "budget", "task", "length", "index", "seed", "score")  # what report reads of a record
-# (compare pairs by task, length and sample hash or index: the first four and the score)
-
-
 def cmd_compare(args) -> int:
     """``kvgym compare``: one controller against every other on the samples both ran."""
-    from eval.report import paired_differences, paired_differences_md, read_jsonl, records_file
+    from eval.report import (
+        COMPARE_FIELDS,
+        paired_differences,
+        paired_differences_md,
+        read_jsonl,
+        records_file,
+    )
 
     if not records_file(args.samples).is_file():
         raise ValueError(f"--samples {args.samples}: no such file; give a samples.jsonl written by kvgym eval")
-    rows = paired_differences(read_jsonl(args.samples, SAMPLE_FIELDS[:4] + ('score',)), args.controller)
+    rows = paired_differences(read_jsonl(args.samples, COMPARE_FIELDS), args.controller)
     if not rows:
         raise ValueError(f"{args.samples}: no other controller ran the same samples at {args.controller}'s budgets")
     if args.json is not None:
@@ -561,8 +353,7 @@ def cmd_report(args) -> int:
     """``kvgym eval`` summarises the cells it was asked for; runs added to one folder by several commands (other
     controllers, budgets or n) are summarised together here. A record run twice (same key) counts once. With
     ``--leaderboard`` the methods of every folder are ranked per setting (``eval.leaderboard``)."""
-    from eval.harness import record_key
-    from eval.report import read_jsonl, records_file, write_report
+    from eval.report import report_folder
 
     if args.leaderboard is not None:
         from eval.leaderboard import leaderboard_md, write_leaderboard
@@ -574,15 +365,8 @@ def cmd_report(args) -> int:
     if len(args.folders) > 1:
         raise ValueError(f"report: {len(args.folders)} folders given; one folder's summary at a time, or several "
                          "with --leaderboard OUT")
-    folder = args.folders[0]
-    samples = records_file(folder / "samples.jsonl")
-    if not samples.is_file():
-        raise ValueError(f"{folder}: no samples.jsonl in it; give a folder written by kvgym eval")
-    records = list({record_key(record): record for record in read_jsonl(samples, SAMPLE_FIELDS)}.values())
-    if not records:
-        raise ValueError(f"{samples}: no records")
-    rows = write_report(records, folder, plots=not args.no_plots)
-    print(f"{folder / 'summary.md'}: {len(rows)} rows from {len(records)} records")
+    rows, records = report_folder(args.folders[0], plots=not args.no_plots)
+    print(f"{args.folders[0] / 'summary.md'}: {len(rows)} rows from {len(records)} records")
     return 0
 
 

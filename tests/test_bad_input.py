@@ -307,7 +307,7 @@ def _two_schemas(tmp_path):
 
 
 def _tasks_file_twice(tmp_path):
-    from eval.harness import read_tasks_file
+    from eval.inputs import read_tasks_file
 
     line = json.dumps({"input": "The code is 4172. What is the code?", "outputs": ["4172"], "metric": "exact"})
     other = json.dumps({"input": "The code is 9. What is the code?", "outputs": ["9"], "metric": "exact"})
@@ -347,7 +347,7 @@ def test_a_dataset_folder_of_one_kind_reads_every_file(tmp_path):
 def test_records_name_the_digest_of_the_default_policy_file():
     """Issue case 1: a plain `ranker` spec reads the shipped file; its records must carry that file's digest, so a
     changed file is never answered with old rows."""
-    from eval.harness import controller_digest
+    from eval.records import controller_digest
 
     assert controller_digest("ranker") is not None
     assert controller_digest("ranker") == controller_digest("ranker:policies/ranker_smollm2.pt")
@@ -357,7 +357,7 @@ def test_records_name_the_digest_of_the_default_policy_file():
 
 def test_a_record_is_never_glued_onto_a_last_line_without_newline(tmp_path):
     """Issue case 2: appending after a complete record that lacks its newline kept both on one line."""
-    from eval.harness import append_record, load_records
+    from eval.records import append_record, load_records
 
     first = {"controller": "lru", "budget": 0.5, "task": "passkey", "length": 256, "index": 0, "seed": 0}
     path = tmp_path / "samples.jsonl"
@@ -368,7 +368,7 @@ def test_a_record_is_never_glued_onto_a_last_line_without_newline(tmp_path):
 
 
 def test_a_second_eval_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
-    from eval.harness import exclusive_folder
+    from eval.records import exclusive_folder
 
     with exclusive_folder(tmp_path):
         with pytest.raises(ValueError, match="another kvgym eval is writing to this folder"):

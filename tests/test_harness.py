@@ -11,9 +11,11 @@ import pytest
 import torch
 
 import eval.harness as harness
-from eval.harness import evaluate, length_bucket, read_tasks_file, sample_seed, split_specs
+from eval.harness import evaluate
+from eval.inputs import length_bucket, read_tasks_file, split_specs
+from eval.records import RECORD_FIELDS, TIMING_FIELDS, controller_digest
 from eval.report import SUMMARY_COLUMNS
-from eval.tasks.base import Sample, register_task
+from eval.tasks.base import Sample, register_task, sample_seed
 
 HEADER = ("controller,budget,task,length,n,accuracy,ci_low,ci_high,rel_accuracy,turn_accuracy,kl,bytes_read_per_token,"
           "bytes_moved_per_token,decode_ms_per_token,ttft_ms")
@@ -103,7 +105,7 @@ def _lines(path):
 
 
 def _without_timings(path):
-    return [{k: v for k, v in json.loads(line).items() if k not in harness.TIMING_FIELDS} for line in _lines(path)]
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in _lines(path)]
 
 
 def test_smoke_files_rows_and_rel_accuracy(tiny_model, tmp_path, scored):
@@ -114,7 +116,7 @@ def test_smoke_files_rows_and_rel_accuracy(tiny_model, tmp_path, scored):
     # 2 tasks × 2 lengths × 2 samples × (full + 2 controllers × 2 budgets)
     records = [json.loads(line) for line in _lines(tmp_path / "samples.jsonl")]
     assert len(records) == 2 * 2 * 2 * 5
-    assert set(records[0]) == set(harness.RECORD_FIELDS)
+    assert set(records[0]) == set(RECORD_FIELDS)
     with open(tmp_path / "summary.csv") as f:
         header = f.readline().strip()
         table = list(csv.DictReader([header, *f.read().splitlines()]))
@@ -223,6 +225,16 @@ def test_tasks_file_valid_and_malformed(tiny_model, tmp_path, scored):
     assert {(r["controller"], r["task"], r["length"], r["n"]) for r in rows} == {("full", "mine", 128, 2),
                                                                                  ("lru", "mine", 128, 2)}
     assert (tmp_path / "out" / "accuracy_vs_budget.png").is_file()
+    # the same file gzip-compressed: the same samples and task name, so its records count as done
+    import gzip
+
+    packed = tmp_path / "packed" / "mine.jsonl.gz"
+    packed.parent.mkdir()
+    packed.write_bytes(gzip.compress(good.read_bytes()))
+    assert read_tasks_file(packed) == parsed
+    again = evaluate(tiny_model, ByteTokenizer(), ["lru"], [0.5], None, None, 1, 0, tmp_path / "out",
+                     tasks_file=packed, chat=False, progress=False)
+    assert len(_lines(tmp_path / "out" / "samples.jsonl")) == len(records) and again == rows
 
     bad = tmp_path / "bad.jsonl"
     lines = [json.dumps(entries[0]), json.dumps({"input": "x", "outputs": "apple", "metric": "exact"})]
@@ -359,32 +371,30 @@ def test_report_summarises_every_record_of_a_folder(tmp_path, capsys):
 def test_a_changed_policy_file_runs_again(tiny_model, tmp_path, scored, counted_runs, monkeypatch):
     """Records of a controller that names a file carry the file's digest; while it is unchanged a rerun does
     nothing, once it changes (a retrained policy) that controller's runs go again, with a warning."""
-    import eval.harness as harness
-
     policy = tmp_path / "policy.pt"
     policy.write_bytes(b"version 1")
-    digest = harness.controller_digest(f"ranker:{policy}")
-    assert digest is not None and harness.controller_digest(f"ranker:path={policy}") == digest
-    assert harness.controller_digest("lru") is None and harness.controller_digest("h2o:heavy_ratio=0.25") is None
+    digest = controller_digest(f"ranker:{policy}")
+    assert digest is not None and controller_digest(f"ranker:path={policy}") == digest
+    assert controller_digest("lru") is None and controller_digest("h2o:heavy_ratio=0.25") is None
     policy.write_bytes(b"version 2")
-    assert harness.controller_digest(f"ranker:{policy}") != digest
+    assert controller_digest(f"ranker:{policy}") != digest
 
     version = {"lru": "a"}
     monkeypatch.setattr(harness, "controller_digest", lambda spec: version.get(spec))
     out = tmp_path / "eval"
     _evaluate(tiny_model, out, tasks=["fake_key"], lengths=[64], controllers=["lru"])
     runs, lines = len(counted_runs), _lines(out / "samples.jsonl")
-    records = [json.loads(line) for line in lines]
-    assert {r.get("controller_digest") for r in records if r["controller"] == "lru"} == {"a"}
-    assert all("controller_digest" not in r for r in records if r["controller"] == "full")
+    rows = [json.loads(line) for line in lines]
+    assert {r.get("controller_digest") for r in rows if r["controller"] == "lru"} == {"a"}
+    assert all("controller_digest" not in r for r in rows if r["controller"] == "full")
     _evaluate(tiny_model, out, tasks=["fake_key"], lengths=[64], controllers=["lru"])
     assert len(counted_runs) == runs  # same file: nothing runs
     version["lru"] = "b"
     with pytest.warns(UserWarning, match="4 records of lru were made with another version"):
         _evaluate(tiny_model, out, tasks=["fake_key"], lengths=[64], controllers=["lru"])
     assert len(counted_runs) == 2 * runs  # lru at both budgets again, and the full reference for its logits
-    records = [json.loads(line) for line in _lines(out / "samples.jsonl")]
-    assert len(records) == len(lines) + 4 and [r["controller_digest"] for r in records[-4:]] == ["b"] * 4
+    rows = [json.loads(line) for line in _lines(out / "samples.jsonl")]
+    assert len(rows) == len(lines) + 4 and [r["controller_digest"] for r in rows[-4:]] == ["b"] * 4
     summary = (out / "summary.csv").read_text()
     assert summary.count("\nlru,") == 2  # reported once per budget, from the new records
 

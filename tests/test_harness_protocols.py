@@ -7,6 +7,7 @@ import random
 import pytest
 
 import eval.harness as harness
+import eval.inputs as inputs
 from eval.datasets import load_samples
 from eval.harness import evaluate
 from eval.tasks.base import Sample, Turn, register_task
@@ -125,8 +126,8 @@ def test_tasks_file_accepts_context_and_question(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text(json.dumps({"context": "abc ", "question": "what?", "outputs": ["x"], "metric": "exact"}) + "\n"
                     + json.dumps({"input": "abc what?", "question": "what?", "outputs": ["y"], "metric": "exact"}) + "\n")
-    entries = harness.read_tasks_file(path)
+    entries = inputs.read_tasks_file(path)
     assert [e["input"] for e in entries] == ["abc what?", "abc what?"] and entries[0]["question"] == "what?"
     path.write_text(json.dumps({"context": "a", "question": "b", "input": "c", "outputs": ["x"], "metric": "exact"}))
     with pytest.raises(ValueError, match="must equal 'context' \\+ 'question'"):
-        harness.read_tasks_file(path)
+        inputs.read_tasks_file(path)

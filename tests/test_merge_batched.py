@@ -89,7 +89,7 @@ def assert_tokens_close(actual, expected, atol=1e-5):
 @pytest.mark.parametrize("chunk", [None, 1])
 def test_merge_blocks_matches_a_per_token_reference_across_layers(chunk, monkeypatch):
     if chunk is not None:  # the bulk path: similarities in chunks of sources (here one source at a time)
-        monkeypatch.setattr("cache.paged_cache.MERGE_CHUNK", chunk)
+        monkeypatch.setattr("cache.merging.MERGE_CHUNK", chunk)
     cache = synthetic()
     batch = {0: [1], 1: [2, 4], 2: [3]}  # two blocks of layer 1 in one batch: they fold into what stays
     before = {layer: pool_tokens(cache, layer) for layer in batch}

@@ -31,7 +31,7 @@ The future positions start at ``view.seen`` (kvpress: ``q_len``, the prefilled l
 
 Deviations: blocks of 16 tokens, not tokens; one block set per layer for all KV heads (kvpress selects per KV
 head; per-KV-head selection is out of scope). On the peer samples (25% kept) kvpress's press scores 0.000 per KV
-head and 0.633 with one token set per layer, this controller's figure at block size 1 (BENCHMARKS.md).
+head and 0.633 with one token set per layer, this controller's figure at block size 1 (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations

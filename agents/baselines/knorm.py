@@ -15,7 +15,7 @@ never prefetches.
 
 Deviations: blocks of 16 tokens; one block set per layer for all KV heads (kvpress selects per KV head;
 per-KV-head selection is out of scope), hence the mean over KV heads. On the peer samples (25% kept) kvpress's
-Knorm scores 0.400 per KV head and 0.533 per layer; this controller 0.567 at block size 1 (BENCHMARKS.md).
+Knorm scores 0.400 per KV head and 0.533 per layer; this controller 0.567 at block size 1 (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations

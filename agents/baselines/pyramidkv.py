@@ -25,7 +25,7 @@ Differences from kvpress 0.5.5 and KVCache-Factory, kept on purpose (the paper's
 
 GQA and granularity: blocks of 16 tokens; one block set per layer for all KV heads (kvpress: per KV head; per-KV-
 head selection is out of scope; on the peer samples kvpress's per-head selection is what puts its SnapKV, and so
-its PyramidKV fallback, at 0.033: per layer it scores 0.300, BENCHMARKS.md).
+its PyramidKV fallback, at 0.033: per layer it scores 0.300, benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ Decision points (``view.phase``):
 GQA: SnapKV scores each head (kvpress: each KV head, group-averaged). The cache keeps one block table per layer
 (per-KV-head selection is out of scope), so all KV heads evict the same blocks. This is the one difference
 from kvpress that matters on SmolLM2: on the peer samples (25% kept) kvpress's SnapKV scores 0.033 per KV head
-and 0.300 with its scores averaged per layer, which is this controller's figure at block size 1 (BENCHMARKS.md).
+and 0.300 with its scores averaged per layer, which is this controller's figure at block size 1 (benchmarks/HISTORY.md).
 
 State: the last selection's scores live in the controller. A new run is detected when ``seen`` or the number of
 blocks goes down, or when the view comes from another cache object; the state is then cleared.

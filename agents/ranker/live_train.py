@@ -1,10 +1,10 @@
 """Policy gradient on the **live** reward: what RL can add where the attention oracle is not the answer.
 
-Imitating the future-attention oracle and policy gradient on its regret end level (BENCHMARKS.md, "What RL
+Imitating the future-attention oracle and policy gradient on its regret end level (benchmarks/HISTORY.md, "What RL
 adds"): the regret is a deterministic function of the kept set and the oracle is known, so the imitation
 target already carries what a sampled gradient estimates. The live reward is different: the teacher-forced KL
 of the compressed cache's next-token distributions from the full cache's (``LiveDecision``), which ranks
-policies differently from the regret (BENCHMARKS.md, "Replay fidelity": key norm and random rankings do better
+policies differently from the regret (benchmarks/HISTORY.md, "Replay fidelity": key norm and random rankings do better
 live than their regret says). No oracle gives that ranking; sampling and trying does.
 
 Each decision point (a ``oneshot-question`` compression of one task sample, at one budget) is a contextual

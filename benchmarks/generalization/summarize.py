@@ -17,7 +17,7 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
-from eval.harness import record_key
+from eval.records import record_key
 from eval.report import read_jsonl
 
 ORACLE = "oracle:prefetch=true"

@@ -29,7 +29,7 @@ def main():
     from transformers import AutoTokenizer
 
     from cache.models import DEFAULT_MODEL, resolve_model
-    from eval.harness import read_tasks_file
+    from eval.inputs import read_tasks_file
     from eval.tasks.base import Sample, get_task
     from eval.tasks.prompt import build_prompt
 
