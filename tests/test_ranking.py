@@ -24,6 +24,7 @@ from kvgym.envs.decisions import (
     RankingReplayEnv,
     block_value_norms,
     decision_point,
+    kept_share,
     load_records,
     streaming_state,
     target_heads,
@@ -321,6 +322,35 @@ def test_value_norms_of_a_decision_point_match_dynamic_cache_and_weight_the_futu
     assert regret.mass.shape == (2, n) and torch.isfinite(regret.mass).all()
     with pytest.raises(ValueError, match="value_norms"):
         Decisions([{k: v for k, v in record.items() if k != "value_norms"}], target="future_value")
+
+
+def test_teacher_kept_is_kvpress_selection_over_all_layers_per_kv_head(tiny_model):
+    """``teacher_kept``: the (layer, KV head, block) entries compete for ``kv_heads × room.sum()`` places over all
+    layers, checked against a brute-force sort; a layer whose scores are all high takes more than its own room
+    (negative control: the same share in every layer would not); non-candidates are never kept."""
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.rand(3, 6, 10, generator=generator)
+    scores[0] += 1.0  # layer 0 outscores the others everywhere
+    candidates = torch.rand(3, 10, generator=generator) > 0.2
+    room = torch.tensor([2, 3, 1])
+    share = kept_share(scores, 2, candidates, room)
+    per_kv = scores.reshape(3, 2, 3, 10).amax(dim=2)
+    entries = sorted(((float(per_kv[layer, h, n]), layer, n) for layer in range(3) for h in range(2)
+                      for n in range(10) if candidates[layer, n]), reverse=True)[: 2 * int(room.sum())]
+    expected = torch.zeros(3, 10)
+    for _, layer, n in entries:
+        expected[layer, n] += 0.5
+    assert torch.equal(share, expected)
+    assert float(share.sum()) * 2 == 2 * int(room.sum())
+    assert float(share[0].sum()) > int(room[0])  # global: layer 0 keeps more than its own room
+    assert float(share[~candidates].abs().sum()) == 0
+    record = decision_point(tiny_model, Prompt(PROMPT[0].tolist(), context_end=150), max_new_tokens=4, block_size=16,
+                            teacher=lambda view: torch.rand(view.acc_mass_heads.shape, generator=generator))
+    rows = Decisions([record], budgets=(0.25,), target="teacher_kept")
+    kv_heads = record["value_norms"].shape[1]
+    assert torch.equal(rows.mass, kept_share(record["teacher_heads"], kv_heads, rows.candidates, rows.room))
+    assert float(rows.mass.sum()) == float(rows.room.sum())
+    assert set((rows.mass * kv_heads).round().unique().tolist()) <= set(range(kv_heads + 1))
 
 
 def test_value_norms_ignore_the_unwritten_slots_of_a_partial_block(tiny_model):

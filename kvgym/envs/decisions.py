@@ -9,7 +9,7 @@ point (``oneshot``, kvpress's pipeline: the context alone prefilled; its future 
 the last prompt token and the answer), in a ``_blind`` file. With a ``teacher`` (a function of the decision's
 ``CacheView`` giving a score per query head and block, ``[L, H, N]``: KVzip's reconstruction attention, for
 example; ``agents`` supplies it), the blind record also carries the teacher's scores (``teacher_heads``), in a
-``_blind_<teacher>`` file: on question-blind decisions the future attention misleads (BENCHMARKS.md, "the regret
+``_blind_<teacher>`` file: on question-blind decisions the future attention misleads (benchmarks/HISTORY.md, "the regret
 misleads"), and a teacher that sees the whole context may not. Every record also names its sample's
 ``answer_blocks``: the blocks whose tokens state a gold answer in the context (the needle;
 ``eval.tasks.prompt.answer_positions``), which ``Decisions(needle_weight=...)`` can add to the target.
@@ -303,10 +303,12 @@ def _save(record: dict, path: Path) -> None:
     tmp.replace(path)
 
 
-TARGETS = {"future": "future_heads", "teacher": "teacher_heads", "future_value": "value_norms"}
+TARGETS = {"future": "future_heads", "teacher": "teacher_heads", "teacher_kept": "teacher_heads",
+           "future_value": "value_norms"}
 TARGET_SOURCES = {  # where a record gets what each target needs
     "future": "every record has it",
     "teacher": "collect them with a teacher: `python -m benchmarks.ranker_tools collect --blind --teacher`",
+    "teacher_kept": "collect them with a teacher: `python -m benchmarks.ranker_tools collect --blind --teacher`",
     "future_value": "recorded by `python -m benchmarks.ranker_tools collect` since value norms are: collect them again",
 }
 
@@ -323,10 +325,28 @@ def target_heads(record: dict, target: str) -> torch.Tensor:
     return future * norms.repeat_interleave(group, dim=1)[..., : future.shape[-1]]
 
 
+def kept_share(scores: torch.Tensor, kv_heads: int, candidates: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+    """``[L, N]``: the share of each layer's KV heads that keep a block when the (layer, KV head, block) entries
+    of ``scores`` (``[L, H, N]`` per query head; a KV head scores a block by the max over its query heads) compete
+    for ``kv_heads × room.sum()`` places over all layers at once, the candidates only: kvpress's selection
+    (``layerwise=False``, per KV head), which kvgym's KVzip follows (``agents.baselines.kvzip``), at the row's
+    budget. Ties keep the earlier entry."""
+    layers, heads, n = scores.shape
+    per_kv = scores.reshape(layers, kv_heads, heads // kv_heads, n).amax(dim=2)
+    keyed = torch.where(candidates[:, None, :], per_kv.double(), torch.tensor(-float("inf"), dtype=torch.float64))
+    places = min(kv_heads * int(room.sum()), int(candidates.sum()) * kv_heads)
+    order = torch.argsort(keyed.flatten(), descending=True, stable=True)[:places]
+    kept = torch.zeros(layers * kv_heads * n, dtype=torch.bool)
+    kept[order] = True
+    return kept.reshape(layers, kv_heads, n).float().mean(dim=1)
+
+
 class Decisions:
     """Padded tensors of decision points × budgets, one row per (sample, budget, layer):
     ``features`` ``[R, N, F]``, ``mass`` ``[R, N]`` (the ``target``'s scores, max over query heads: the future
-    attention, or the teacher's scores of a record collected with one; with ``needle_weight`` w > 0 each layer's
+    attention, or the teacher's scores of a record collected with one; ``teacher_kept``: the share of the layer's
+    KV heads that keep the block when kvpress's rule selects on the teacher's scores at the row's budget,
+    ``kept_share``; with ``needle_weight`` w > 0 each layer's
     target is normalised to sum 1 and its ``answer_blocks`` share w more among them: the needle is worth w times
     the rest of the layer), ``candidates``
     ``[R, N]`` (valid, not pinned), ``room`` ``[R]`` (blocks kept besides the pinned), ``budget`` ``[R]``,
@@ -355,13 +375,6 @@ class Decisions:
             sample = samples.setdefault(tuple(record.get(k) for k in ("task", "length", "seed", "index")), len(samples))
             features = record["features"].float()
             num_layers, n, _ = features.shape
-            mass = target_heads(record, target).amax(dim=1)  # [L, N]
-            if needle_weight:
-                mass = mass.clamp(min=0) / mass.clamp(min=0).sum(dim=1, keepdim=True).clamp(min=1e-12)
-                needle = record["answer_blocks"].long()
-                needle = needle[needle < n]
-                if len(needle):
-                    mass[:, needle] += needle_weight / len(needle)
             pinned = torch.zeros(n, dtype=torch.bool)
             pinned[: int(record["sink_blocks"])] = True
             pinned[n - 1] = True
@@ -370,6 +383,12 @@ class Decisions:
             for fraction in record.get("budgets", budgets):
                 blocks = torch.tensor(budget_blocks(fraction, int(record["context_tokens"]), int(record["block_size"]),
                                                     num_layers, int(record["sink_blocks"]) + 1))
+                room = (blocks - (valid & pinned).sum(dim=1)).clamp(min=0)
+                if target == "teacher_kept":  # depends on the budget: which blocks kvpress's rule keeps at it
+                    mass = kept_share(target_heads(record, target), record["value_norms"].shape[1], candidates, room)
+                else:
+                    mass = target_heads(record, target).amax(dim=1)  # [L, N]
+                mass = _with_needle(mass, record, needle_weight)
                 x = features.clone()
                 x[..., BUDGET_COLUMN] = (blocks / n)[:, None]
                 x[..., PRESSURE_COLUMN] = (record["device_blocks"] / blocks.clamp(min=1))[:, None]
@@ -377,7 +396,7 @@ class Decisions:
                 rows["features"].append(torch.nn.functional.pad(x, (0, 0, 0, pad)))
                 rows["mass"].append(torch.nn.functional.pad(mass, (0, pad)))
                 rows["candidates"].append(torch.nn.functional.pad(candidates, (0, pad)))
-                rows["room"].append((blocks - (valid & pinned).sum(dim=1)).clamp(min=0))
+                rows["room"].append(room)
                 rows["budget"].append(torch.full((num_layers,), fraction))
                 rows["phase"].append(torch.full((num_layers,), PHASES.index(record.get("phase", "compress"))))
                 rows["sample"].append(torch.full((num_layers,), sample))
@@ -407,6 +426,19 @@ class Decisions:
                   if (self.phase == i).any()}
         table["all"] = float(regret.mean())
         return table
+
+
+def _with_needle(mass: torch.Tensor, record: dict, needle_weight: float) -> torch.Tensor:
+    """``mass`` (``[L, N]``) with each layer normalised to sum 1 and its ``answer_blocks`` sharing
+    ``needle_weight`` more (unchanged when the weight is 0)."""
+    if not needle_weight:
+        return mass
+    mass = mass.clamp(min=0) / mass.clamp(min=0).sum(dim=1, keepdim=True).clamp(min=1e-12)
+    needle = record["answer_blocks"].long()
+    needle = needle[needle < mass.shape[1]]
+    if len(needle):
+        mass[:, needle] += needle_weight / len(needle)
+    return mass
 
 
 def load_records(paths: list[Path]) -> list[dict]:
