@@ -32,5 +32,19 @@ kvgym eval "${COMMON[@]}" --protocol oneshot-question --budgets 0.25,0.125 --con
 kvgym eval "${COMMON[@]}" --protocol oneshot --budgets 0.25 --out $D/kvgym_oneshot \
   --controllers kvzip,kvzip:per_head=false,tova,knorm
 
+
+# --- completing the grid (2026-12-06, fourth session): the other presses in `oneshot` at 25% kept, and kvpress's
+# KeyDiff and Expected Attention with one token set per layer (``*_per_layer``: their scores averaged over KV heads,
+# as kvgym selects), to tell per-KV-head selection from any other difference
+$KVPRESS benchmarks/kvpress_peer/run_kvpress.py $D/prompts.json $D/kvpress_results.jsonl \
+  --presses keydiff_per_layer,expected_per_layer --ratios 0.75 --protocols oneshot-question
+$KVPRESS benchmarks/kvpress_peer/run_kvpress.py $D/prompts.json $D/kvpress_results.jsonl \
+  --presses snapkv,keydiff,expected,streamingllm,keydiff_per_layer,expected_per_layer --ratios 0.75 --protocols oneshot
+kvgym eval "${COMMON[@]}" --protocol oneshot --budgets 0.25 --out $D/kvgym_oneshot \
+  --controllers snapkv:kernel_size=5,pooling=avgpool,keydiff,expected_attention,streamingllm
+
 python benchmarks/kvpress_peer/summarize.py $D --pair kvzip:per_head=false=kvzip_shared \
-  --pair kvzip:layerwise=true,per_head=false=kvzip_layerwise_shared
+  --pair kvzip:layerwise=true,per_head=false=kvzip_layerwise_shared --pair keydiff=keydiff_per_layer \
+  --pair expected_attention=expected_per_layer
+# committed compressed (kvgym eval reads a .jsonl.gz tasks file as it is; gunzip the records to add runs to them)
+gzip -f $D/kvpress_results.jsonl $D/kvgym_*/samples.jsonl $D/families_heldout_2k.jsonl

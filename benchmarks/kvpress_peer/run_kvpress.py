@@ -16,7 +16,8 @@ cache grows. fp32, SmolLM2-135M-Instruct as converted by ``kvgym setup``.
 Besides kvpress's presses as shipped, KVzip variants that each remove one difference to kvgym's KVzip:
 ``kvzip_layerwise`` (the same share pruned in every layer), ``kvzip_shared`` (one token set per layer: a token's
 score is its largest over the layer's KV heads, so every head keeps the same tokens) and ``kvzip_layerwise_shared``
-(both: kvgym's rule at block size 1).
+(both: kvgym's rule at block size 1). And ``snapkv_per_layer``, ``keydiff_per_layer``, ``expected_per_layer``: the
+press with its scores averaged over each layer's KV heads, so every head keeps the same tokens, as kvgym selects.
 """
 
 import argparse
@@ -62,6 +63,7 @@ def kvzip_select(model, scores, ratio, layerwise, shared):
 
 def presses():
     import kvpress as kp
+    from kvpress_per_layer import per_layer  # this folder is on sys.path when run as a script
 
     return {
         "none": None,
@@ -73,6 +75,10 @@ def presses():
         "expected": lambda r: kp.ExpectedAttentionPress(compression_ratio=r),
         "streamingllm": lambda r: kp.StreamingLLMPress(compression_ratio=r),
         "pyramidkv": lambda r: kp.PyramidKVPress(compression_ratio=r),
+        # one token set per layer (the press's scores averaged over KV heads), as kvgym selects at block size 1
+        "snapkv_per_layer": lambda r: per_layer(kp.SnapKVPress)(compression_ratio=r),
+        "keydiff_per_layer": lambda r: per_layer(kp.KeyDiffPress)(compression_ratio=r),
+        "expected_per_layer": lambda r: per_layer(kp.ExpectedAttentionPress)(compression_ratio=r),
     }
 
 
