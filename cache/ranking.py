@@ -156,14 +156,19 @@ def policy_features(view: CacheView, blind_phase: str = "prefill") -> np.ndarray
     return features
 
 
-def top_b(keyed: np.ndarray, candidates: np.ndarray, room) -> np.ndarray:
-    """``[L, N]`` bool: each layer's ``room`` (``[L]``, clipped at 0) highest ``keyed`` scores among its
-    ``candidates``; ties keep block order. ``keyed`` holds ``-inf`` off the candidates (``keep_top``'s per-layer
-    rule, shared with the replay twin's)."""
-    order = np.argsort(-keyed, axis=1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(keyed.shape[1])[None], axis=1)
-    return candidates & (rank < np.maximum(np.asarray(room), 0)[:, None])
+def top_b(keyed, candidates, room):
+    """``[..., N]`` bool: each row's ``room`` (``[...]``, clipped at 0) highest ``keyed`` scores among its
+    ``candidates``; ties keep block order; non-candidates are never kept. The one top-b rule: ``keep_top`` and the
+    replay twin call it on numpy arrays (it answers in numpy), training on batched torch tensors
+    (``kvgym.envs.reward.kept_by_ranking``)."""
+    as_numpy = isinstance(keyed, np.ndarray)
+    scores, candidates = torch.as_tensor(keyed), torch.as_tensor(candidates)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    masked = torch.where(candidates, scores, torch.tensor(-torch.inf, dtype=scores.dtype))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+    kept = candidates & (rank < torch.as_tensor(room).clamp(min=0)[..., None])
+    return kept.numpy() if as_numpy else kept
 
 
 def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Decision]:

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from cache.ranking import top_b
+
 
 def kept_by_ranking(scores, room, candidates) -> torch.Tensor:
     """``[..., N]`` bool: the top-``room`` ``scores`` among ``candidates``, what the ranking action keeps on device
-    besides the pinned blocks (ties keep block order; non-candidates never kept). ``scores`` ``[..., N]``, ``room``
+    besides the pinned blocks (``cache.ranking.top_b``, the one top-b rule). ``scores`` ``[..., N]``, ``room``
     ``[...]`` ints, ``candidates`` ``[..., N]`` bool."""
-    order = torch.sort(torch.where(candidates, scores.float(), torch.tensor(-torch.inf)), dim=-1, descending=True,
-                       stable=True).indices
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
-    return candidates & (ranks < torch.as_tensor(room)[..., None])
+    return top_b(scores, candidates, room)
 
 
 def ranking_regret(scores, future_mass, room, candidates):
