@@ -728,7 +728,9 @@ def test_the_shipped_blind_rankers_load_and_say_what_they_were_trained_on():
     from pathlib import Path
 
     policies = Path(__file__).resolve().parents[1] / "policies"
-    for name, needle_weight in (("ranker_blind_smollm2.pt", 1.0), ("ranker_blind_kvzip_only_smollm2.pt", 0.0)):
+    shipped = {"ranker_blind_smollm2.pt": ("teacher_kept", 1.0, 49, 6),  # retrained 2026-12-06 (issue 42)
+               "ranker_blind_kvzip_only_smollm2.pt": ("teacher", 0.0, 50, 15)}
+    for name, (target, needle_weight, train_samples, validation_samples) in shipped.items():
         _, summary = load_ranker(policies / name)
-        assert summary["target"] == "teacher" and summary["needle_weight"] == needle_weight, name
-        assert summary["train_samples"] == 50 and summary["validation_samples"] == 15
+        assert summary["target"] == target and summary["needle_weight"] == needle_weight, name
+        assert summary["train_samples"] == train_samples and summary["validation_samples"] == validation_samples, name

@@ -1,0 +1,75 @@
+"""Issue 40's headroom question per (task, budget) cell of the grid: the full cache, every method, the best baseline
+(KVzip included, and among the baselines of plain-prefill cost) and the gap between the full cache and it. A cell
+counts only where the full cache scores >= --min-full on the same samples.
+
+    python benchmarks/headroom/summarize.py out/headroom_2k_oneshotq --json results/headroom_2k_oneshotq/headroom.json
+"""
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from eval.records import record_key
+from eval.report import read_jsonl, records_file
+
+EXTRA_PASSES = ("kvzip",)  # baselines that cost more than a plain prefill (context reconstruction)
+POLICIES = ("ranker",)  # the learned policy is not a baseline
+
+
+def cells(records: list[dict], min_full: float) -> list[dict]:
+    """One row per (task, length, budget): accuracies on the samples every method of the cell ran."""
+    by_cell, full = defaultdict(lambda: defaultdict(dict)), defaultdict(dict)
+    for record in records:
+        sample = (record["task"], record["length"], record["index"])
+        if record["controller"] == "full":
+            full[record["task"], record["length"]][record["index"]] = record["score"]
+        else:
+            by_cell[record["task"], record["length"], record["budget"]][record["controller"]][sample[2]] = record["score"]
+    rows = []
+    for (task, length, budget), methods in sorted(by_cell.items()):
+        common = set(full[task, length]).intersection(*(set(scores) for scores in methods.values()))
+        if not common:
+            continue
+        mean = {name: sum(scores[i] for i in common) / len(common) for name, scores in methods.items()}
+        full_mean = sum(full[task, length][i] for i in common) / len(common)
+        baselines = {name: value for name, value in mean.items() if not name.startswith(POLICIES)}
+        plain = {name: value for name, value in baselines.items() if not name.startswith(EXTRA_PASSES)}
+        best, best_plain = max(baselines, key=baselines.get), max(plain, key=plain.get)
+        rows.append({"task": task, "length": length, "budget": budget, "compression": round(1 / budget), "n": len(common),
+                     "full": full_mean, "counts": full_mean >= min_full, "methods": mean,
+                     "best_baseline": best, "gap": full_mean - baselines[best],
+                     "best_plain_baseline": best_plain, "gap_plain": full_mean - plain[best_plain]})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The cells as a table; a cell whose full cache is below the bar is marked and does not count."""
+    lines = ["| task | compression | n | full | best baseline | gap | best plain-prefill baseline | gap | policy | counts |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        policy = " / ".join(f"{value:.2f}" for name, value in row["methods"].items() if name.startswith(POLICIES))
+        lines.append(f"| {row['task']} | {row['compression']}× | {row['n']} | {row['full']:.2f} | "
+                     f"{row['best_baseline']} {row['methods'][row['best_baseline']]:.2f} | {row['gap']:+.2f} | "
+                     f"{row['best_plain_baseline']} {row['methods'][row['best_plain_baseline']]:.2f} | "
+                     f"{row['gap_plain']:+.2f} | {policy} | {'yes' if row['counts'] else 'no (full below the bar)'} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--min-full", type=float, default=0.8)
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args()
+    records = list({record_key(r): r for r in read_jsonl(records_file(args.folder / "samples.jsonl"))}.values())
+    rows = cells(records, args.min_full)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1))
+    table = markdown(rows)
+    args.json.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
