@@ -30,7 +30,7 @@ Design:
   registry spec; ``oracle`` is built per sample from a full-cache trace of the same tokens
   (``Oracle.from_run``; for teacher-forced samples the trace follows the forced continuation). Decoding is
   greedy, stopping at EOS or after ``sample.max_new_tokens``.
-- **Scores.** Answer tasks: ``eval.scoring.score(sample, text)``. Natural text (metric ``kl``): the
+- **Scores.** Answer tasks: ``eval.tasks.scoring.score(sample, text)``. Natural text (metric ``kl``): the
   continuation (``continuation_ids``: its tokens as they follow the prompt in running text) is
   teacher-forced (``Runner.run(forced_tokens=...)``) and ``score`` is the top-1 accuracy
   of the model's next-token prediction over it; ``perplexity`` is recorded as well.
@@ -119,8 +119,8 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 
 def score_sample(sample, text: str) -> float:
-    """The task score of ``text`` for ``sample`` (``eval.scoring.score``)."""
-    from eval.scoring import score
+    """The task score of ``text`` for ``sample`` (``eval.tasks.scoring.score``)."""
+    from eval.tasks.scoring import score
 
     return float(score(sample, text))
 

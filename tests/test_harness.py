@@ -1,7 +1,6 @@
 """The evaluation harness on the tiny random Llama with a byte-level tokenizer and fake registered tasks."""
 
 import csv
-import importlib.util
 import json
 import os
 import random
@@ -281,7 +280,6 @@ def test_controller_specs_keep_their_parameters():
                                                                        "full"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("eval.scoring") is None, reason="eval/scoring.py not there yet")
 def test_real_scoring_is_used(tiny_model, tmp_path):
     _evaluate(tiny_model, tmp_path, tasks=["fake_key"], lengths=[64], n=1, controllers=["full"], plots=False)
     (record,) = [json.loads(line) for line in _lines(tmp_path / "samples.jsonl")]

@@ -1,8 +1,8 @@
 """The layout rule of ``DESIGN.md`` checked on the source: which project folder may import which.
 
 ``cache/`` imports nothing of ``agents/``, ``kvgym/`` or ``eval/``; ``kvgym/`` (the envs: everything but the
-command line) imports ``cache/`` and the task generators (``eval.tasks``, and ``eval.scoring``, the tasks' answer
-metric), never ``agents/``. Every import statement counts, including those inside functions.
+command line) imports ``cache/`` and the task package (``eval.tasks``: the generators and their answer metric,
+``eval.tasks.scoring``), never ``agents/``. Every import statement counts, including those inside functions.
 """
 
 import ast
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("agents", "cache", "eval", "kvgym")
 ALLOWED = {
     "cache": ("cache",),
-    "kvgym": ("cache", "kvgym", "eval.tasks", "eval.scoring"),
+    "kvgym": ("cache", "kvgym", "eval.tasks"),
 }
 
 

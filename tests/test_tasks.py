@@ -1,4 +1,4 @@
-"""The task generators (eval/tasks) and the scorers (eval/scoring.py), on the real SmolLM2 tokenizer.
+"""The task generators (eval/tasks) and the scorers (eval/tasks/scoring.py), on the real SmolLM2 tokenizer.
 
 Only the tokenizer is loaded (no weights). For every task at 1024 and 4096 tokens (and 8192 for a few):
 the prompt's length is within 2% of the target, every needle is present exactly once and the gold answer
@@ -13,10 +13,10 @@ from collections import Counter
 
 import pytest
 
-from eval.scoring import score, string_match_all, string_match_part
 from eval.tasks import TASKS, generate
 from eval.tasks.base import Sample
 from eval.tasks.common import DATA_DIR, count_tokens, prose_text, word_list
+from eval.tasks.scoring import score, string_match_all, string_match_part
 
 ALL_TASKS = ["passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "fwe",
              "research", "text"]

@@ -334,7 +334,7 @@ class KVCacheEnv(gym.Env):
         return self._observation(self._view), float(reward + score), True, False, info
 
     def _score(self, result) -> float:
-        from eval.scoring import score
+        from eval.tasks.scoring import score
 
         sample = self._sample
         answers = [sample.outputs] + [turn.outputs for turn in sample.turns]
