@@ -398,13 +398,20 @@ def write_report(records: list[dict], out_dir: str | Path, plots: bool = True) -
     return rows
 
 
+def unique_records(paths, needed: tuple[str, ...] = ()) -> list[dict]:
+    """The records of one or more ``samples.jsonl`` files (``read_jsonl``), a run recorded twice (the same
+    ``record_key``, e.g. by two commands into one folder) counting once: its last record."""
+    paths = [paths] if isinstance(paths, (str, Path)) else paths
+    return list({record_key(record): record for path in paths for record in read_jsonl(path, needed)}.values())
+
+
 def report_folder(folder: Path, plots: bool = True) -> tuple[list[dict], list[dict]]:
     """Rewrite ``folder``'s summary (md, csv, plots) from every record of its ``samples.jsonl`` (several runs may
     have added to it; a record run twice counts once); returns the summary rows and the records."""
     samples = records_file(folder / "samples.jsonl")
     if not samples.is_file():
         raise ValueError(f"{folder}: no samples.jsonl in it; give a folder written by kvgym eval")
-    records = list({record_key(record): record for record in read_jsonl(samples, SAMPLE_FIELDS)}.values())
+    records = unique_records(samples, SAMPLE_FIELDS)
     if not records:
         raise ValueError(f"{samples}: no records")
     return write_report(records, folder, plots=plots), records

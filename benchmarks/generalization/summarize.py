@@ -17,8 +17,7 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
-from eval.records import record_key
-from eval.report import read_jsonl
+from eval.report import unique_records
 
 ORACLE = "oracle:prefetch=true"
 
@@ -44,7 +43,7 @@ def bootstrap(samples: list[str], statistic, boot: int = 4000, seed: int = 0) ->
 def cell_rows(cell: str) -> list[dict]:
     """``cell``: one eval folder, or several joined by ``+`` (the same settings; their records are joined by key)."""
     folders = [Path(part) for part in cell.split("+")]
-    records = list({record_key(r): r for f in folders for r in read_jsonl(f / "samples.jsonl")}.values())
+    records = unique_records([f / "samples.jsonl" for f in folders])
     configs = [json.loads((f / "eval_config.json").read_text()) for f in folders]
     keys = {k for c in configs for k in c}  # a key an older kvgym did not write counts as its default (None)
     configs = [{k: c.get(k) for k in sorted(keys)} for c in configs]

@@ -10,8 +10,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from eval.records import record_key
-from eval.report import read_jsonl, records_file
+from eval.report import unique_records
 
 EXTRA_PASSES = ("kvzip",)  # baselines that cost more than a plain prefill (context reconstruction)
 POLICIES = ("ranker",)  # the learned policy is not a baseline
@@ -21,11 +20,11 @@ def cells(records: list[dict], min_full: float) -> list[dict]:
     """One row per (task, length, budget): accuracies on the samples every method of the cell ran."""
     by_cell, full = defaultdict(lambda: defaultdict(dict)), defaultdict(dict)
     for record in records:
-        sample = (record["task"], record["length"], record["index"])
         if record["controller"] == "full":
             full[record["task"], record["length"]][record["index"]] = record["score"]
         else:
-            by_cell[record["task"], record["length"], record["budget"]][record["controller"]][sample[2]] = record["score"]
+            by_cell[record["task"], record["length"], record["budget"]][record["controller"]][record["index"]] = \
+                record["score"]
     rows = []
     for (task, length, budget), methods in sorted(by_cell.items()):
         common = set(full[task, length]).intersection(*(set(scores) for scores in methods.values()))
@@ -62,7 +61,7 @@ def main():
     parser.add_argument("--min-full", type=float, default=0.8)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
-    records = list({record_key(r): r for r in read_jsonl(records_file(args.folder / "samples.jsonl"))}.values())
+    records = unique_records(args.folder / "samples.jsonl")
     rows = cells(records, args.min_full)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))

@@ -57,6 +57,7 @@ from cache.ranking import (
     block_features,
     keep_top,
     policy_features,
+    top_b,
 )
 from cache.runner import Runner, budget_blocks
 from cache.tiers import Tier
@@ -333,11 +334,8 @@ def kept_share(scores: torch.Tensor, kv_heads: int, candidates: torch.Tensor, ro
     budget. Ties keep the earlier entry."""
     layers, heads, n = scores.shape
     per_kv = scores.reshape(layers, kv_heads, heads // kv_heads, n).amax(dim=2)
-    keyed = torch.where(candidates[:, None, :], per_kv.double(), torch.tensor(-float("inf"), dtype=torch.float64))
-    places = min(kv_heads * int(room.sum()), int(candidates.sum()) * kv_heads)
-    order = torch.argsort(keyed.flatten(), descending=True, stable=True)[:places]
-    kept = torch.zeros(layers * kv_heads * n, dtype=torch.bool)
-    kept[order] = True
+    entries = candidates[:, None, :].expand(layers, kv_heads, n)
+    kept = top_b(per_kv.flatten()[None], entries.flatten()[None], kv_heads * room.sum()[None])  # one pool
     return kept.reshape(layers, kv_heads, n).float().mean(dim=1)
 
 
@@ -380,15 +378,16 @@ class Decisions:
             pinned[n - 1] = True
             valid = features[..., RANK_FEATURES.index("valid")] > 0
             candidates = valid & ~pinned
+            heads = target_heads(record, target)  # [L, H, N]
+            if target != "teacher_kept":  # the same for every budget
+                mass = _with_needle(heads.amax(dim=1), record, needle_weight)
             for fraction in record.get("budgets", budgets):
                 blocks = torch.tensor(budget_blocks(fraction, int(record["context_tokens"]), int(record["block_size"]),
                                                     num_layers, int(record["sink_blocks"]) + 1))
                 room = (blocks - (valid & pinned).sum(dim=1)).clamp(min=0)
-                if target == "teacher_kept":  # depends on the budget: which blocks kvpress's rule keeps at it
-                    mass = kept_share(target_heads(record, target), record["value_norms"].shape[1], candidates, room)
-                else:
-                    mass = target_heads(record, target).amax(dim=1)  # [L, N]
-                mass = _with_needle(mass, record, needle_weight)
+                if target == "teacher_kept":  # which blocks kvpress's rule keeps depends on the budget
+                    mass = _with_needle(kept_share(heads, record["value_norms"].shape[1], candidates, room), record,
+                                        needle_weight)
                 x = features.clone()
                 x[..., BUDGET_COLUMN] = (blocks / n)[:, None]
                 x[..., PRESSURE_COLUMN] = (record["device_blocks"] / blocks.clamp(min=1))[:, None]
