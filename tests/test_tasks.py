@@ -316,11 +316,13 @@ def test_samples_know_their_context_and_question(make, task):
         assert gold in sample.context or task == "fwe"
 
 
-@pytest.mark.parametrize("task", ["mt_niah", "mt_kv", "mt_passkey"])
+@pytest.mark.parametrize("task", ["mt_niah", "mt_kv", "mt_passkey", "mt_niah5", "mt_kv5", "mt_passkey5"])
 @pytest.mark.parametrize("length", [1024, 4096])
 def test_multiturn_tasks(make, tokenizer, task, length):
-    from eval.tasks.multiturn import NUM_TURNS
+    from eval.tasks.multiturn import LONG_TURNS, NUM_TURNS
 
+    if task.endswith("5"):
+        NUM_TURNS = LONG_TURNS  # noqa: N806  (the five-turn twins)
     sample = make(task, length)
     n = count_tokens(tokenizer, sample.prompt)
     assert abs(n - length) <= 0.02 * length, (task, length, n)
@@ -328,7 +330,7 @@ def test_multiturn_tasks(make, tokenizer, task, length):
     golds = [outputs[0] for outputs in sample.all_outputs]
     assert len(set(golds)) == NUM_TURNS  # every turn asks something else
     for gold in golds:  # a pass key is stated twice in its needle ("K is the red pass key")
-        assert sample.context.count(gold) == (2 if task == "mt_passkey" else 1), (task, gold)
+        assert sample.context.count(gold) == (2 if task.startswith("mt_passkey") else 1), (task, gold)
     questions = [sample.question] + [turn.question for turn in sample.turns]
     assert len(set(questions)) == NUM_TURNS and all(q.strip() for q in questions)
     assert all(turn.question.startswith("\n") for turn in sample.turns)
