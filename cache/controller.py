@@ -1,4 +1,5 @@
-"""The controller interface: what a cache policy sees (``CacheView``) and what it returns (``Decision``s).
+"""The controller interface: what a cache policy sees (``CacheView``) and what it returns (``Decision``s, or
+one ``cache.placement.Placement``: the device set of every layer as masks).
 
 Baselines, the trained PPO policy, the full cache and the oracle all implement ``Controller`` and share
 the runner's plumbing. ``EvictOldest`` is the built-in rule that proves eviction runs end to end.
@@ -10,12 +11,15 @@ from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import cached_property
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from cache.paged_cache import PagedKVCache
 from cache.tiers import Tier
+
+if TYPE_CHECKING:
+    from cache.placement import Placement
 
 PHASES = ("prefill", "compress", "question", "decode")
 
@@ -340,7 +344,7 @@ class Controller(Protocol):
     """A cache policy. ``decide`` is called at decision points and returns operations to apply in order;
     anything it leaves over budget is evicted afterwards by the cache's fallback rule (and counted)."""
 
-    def decide(self, view: CacheView) -> list[Decision]: ...
+    def decide(self, view: CacheView) -> list[Decision] | Placement: ...
 
 
 def layer_budgets(controller, budget: list[int]) -> list[int]:
@@ -370,8 +374,9 @@ class EvictOldest:
         return decisions
 
 
-def apply_decisions(cache: PagedKVCache, decisions: list[Decision]) -> dict[str, int]:
-    """Apply decisions as if one by one, in order; returns counts per operation name.
+def apply_decisions(cache: PagedKVCache, decisions: list[Decision] | Placement) -> dict[str, int]:
+    """Apply decisions as if one by one, in order; returns counts per operation name. A ``Placement`` (a
+    decision as device masks, ``cache.placement``) is applied whole by ``apply_placement``.
 
     Merges are batched (``PagedKVCache.merge_blocks``: one gather / matmul / scatter for all layers instead
     of one call per block). Layers share no state, so only the order of each layer's own decisions matters:
@@ -387,6 +392,10 @@ def apply_decisions(cache: PagedKVCache, decisions: list[Decision]) -> dict[str,
     by one, so the refused decision raises ``CacheOperationError`` with everything before it applied and
     nothing after it.
     """
+    from cache.placement import Placement, apply_placement  # below this module: it builds on Decision
+
+    if isinstance(decisions, Placement):
+        return apply_placement(cache, decisions)
     counts = {op.name.lower(): 0 for op in Op}
     refused = _first_refusal(cache, decisions)
     valid = decisions if refused is None else decisions[:refused]

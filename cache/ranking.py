@@ -8,8 +8,8 @@ offloaded) and the cache keeps the top-b of each layer on device.
   block's place (position, distance from the end, sink, layer depth), its tier, the phase, and its layer's
   memory pressure and budget. A pure function of a ``CacheView``: the env, the training data and the
   controller loaded into the cache all see the same numbers.
-- ``keep_top(view, scores, merge)`` → the ``Decision``s that make each layer's device set its pinned blocks
-  (sinks, the newest block) plus its best-scoring other blocks up to the budget: blocks that fall out are
+- ``keep_top(view, scores, merge)`` → the ``Placement`` (one device mask per layer) that makes each layer's
+  device set its pinned blocks (sinks, the newest block) plus its best-scoring other blocks up to the budget: blocks that fall out are
   evicted (to the host or disk when the cache has them, else dropped), or **merged** into their neighbours
   where ``merge`` is positive and a merge is legal; offloaded blocks that rise in are **prefetched**; the rest
   are kept. Evict, merge, prefetch and keep are all the policy's; the budget holds without a fallback.
@@ -19,12 +19,11 @@ The regret reward of a ranking lives with the other reward terms (``kvgym.envs.r
 
 from __future__ import annotations
 
-from itertools import repeat
-
 import numpy as np
 import torch
 
-from cache.controller import PHASES, CacheView, Decision, Op, unit_cosine
+from cache.controller import PHASES, CacheView, Op, unit_cosine
+from cache.placement import Placement
 from cache.tiers import Tier
 
 MASS_KINDS = (("last", "mean"), ("last", "max"), ("last_query", "mean"), ("last_query", "max"),
@@ -171,13 +170,12 @@ def top_b(keyed, candidates, room):
     return kept.numpy() if as_numpy else kept
 
 
-def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Decision]:
-    """Decisions that leave on each layer's device its pinned blocks plus its highest ``scores`` (``[L, N]``)
+def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> Placement:
+    """The ``Placement`` (tensor-form decision) that leaves on each layer's device its pinned blocks plus its highest ``scores`` (``[L, N]``)
     blocks up to the layer's budget (dropped blocks cannot return); under a global budget (``view.total_budget``)
     the highest scores over all layers up to the total, so the scores decide each layer's share. A device block that falls out is merged
     into its neighbours where ``merge`` (``[L, N]``, optional) is > 0 and merging is legal, else evicted; an
-    offloaded block that rises in is prefetched. Order per layer: prefetches into free device slots, then
-    evictions and merges, then the prefetches that need the room they free.
+    offloaded block that rises in is prefetched (``cache.placement``: the order they are applied in).
 
     ``stay`` ≥ 0 is a hysteresis against moving blocks back and forth: the blocks already on device rank with
     ``stay`` standard deviations of their layer's candidate scores added, so an offloaded block comes back only
@@ -207,23 +205,10 @@ def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> list[Dec
         chosen = np.zeros(keyed.size, bool)
         chosen[order[:room]] = True
         chosen = candidates & chosen.reshape(keyed.shape)
-    on_device = tier == Tier.DEVICE
-    leaving = on_device & candidates & ~chosen
-    arriving = chosen & ~on_device
+    leaving = (tier == Tier.DEVICE) & candidates & ~chosen
     merging = np.zeros_like(leaving)
     if merge is not None:
         merging = leaving & (np.asarray(merge, np.float32) > 0)
         if merging.any():  # legality only where the policy asks to merge
             merging &= view.legal_ops[..., Op.MERGE].numpy()
-    free = view.device_free.numpy()
-    leaving_ops = (Op.EVICT, Op.MERGE)
-    decisions = []
-    for layer in np.flatnonzero(leaving.any(axis=1) | arriving.any(axis=1)).tolist():
-        arriving_blocks = np.flatnonzero(arriving[layer]).tolist()
-        leaving_blocks = np.flatnonzero(leaving[layer])
-        into_free = int(free[layer])
-        decisions += map(Decision, repeat(layer), arriving_blocks[:into_free], repeat(Op.PREFETCH))
-        ops = map(leaving_ops.__getitem__, merging[layer, leaving_blocks].tolist())  # False: evict, True: merge
-        decisions += map(Decision, repeat(layer), leaving_blocks.tolist(), ops)
-        decisions += map(Decision, repeat(layer), arriving_blocks[into_free:], repeat(Op.PREFETCH))
-    return decisions
+    return Placement(device=chosen | (pinned & (tier == Tier.DEVICE)), merge=merging, tier=tier, free=view.device_free.numpy())
