@@ -306,7 +306,21 @@ class CacheView:
         heads); zeros before the first attention call."""
         if self.query_summary is None:
             return torch.zeros(self.num_layers, self.num_blocks)
-        return unit_cosine(self.mean_key, self.query_summary[:, None]).mean(dim=-1)
+        unit_query = torch.nn.functional.normalize(self.query_summary[:, None], dim=-1, eps=1e-8)
+        return (self.unit_mean_key * unit_query).sum(dim=-1).mean(dim=-1)  # unit_cosine, the keys normalized once
+
+    @cached_property
+    def mean_key_norm(self) -> torch.Tensor | None:
+        """``[L, N, kv_heads]`` the norm of each block's mean key (Knorm's score, before the sign)."""
+        return None if self.mean_key is None else self.mean_key.norm(dim=-1)
+
+    @cached_property
+    def unit_mean_key(self) -> torch.Tensor | None:
+        """``[L, N, kv_heads, head_dim]`` each block's mean key scaled to unit length (``normalize``'s, eps 1e-8),
+        shared by the cosine features."""
+        if self.mean_key is None:
+            return None
+        return self.mean_key / self.mean_key_norm[..., None].clamp_min(1e-8)
 
     @cached_property
     def page_bound(self) -> torch.Tensor | None:

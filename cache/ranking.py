@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cache.controller import PHASES, CacheView, Op, unit_cosine
+from cache.controller import PHASES, CacheView, Op
 from cache.placement import Placement
 from cache.tiers import Tier
 
@@ -111,10 +111,10 @@ def block_features(view: CacheView) -> np.ndarray:
         ranked.append((next(column), logit))
     mean_key = view.mean_key
     if mean_key is not None:
-        keys = mean_key.float()
-        norm = -keys.norm(dim=-1).mean(dim=-1)  # Knorm: a low key norm draws attention
-        layer_mean = (keys * torch.from_numpy(valid)[..., None, None]).sum(dim=1, keepdim=True)
-        distinct = -unit_cosine(keys, layer_mean).mean(dim=-1)  # KeyDiff
+        norm = -view.mean_key_norm.mean(dim=-1)  # Knorm: a low key norm draws attention
+        layer_mean = (mean_key * torch.from_numpy(valid)[..., None, None]).sum(dim=1, keepdim=True)
+        unit_layer_mean = torch.nn.functional.normalize(layer_mean, dim=-1, eps=1e-8)
+        distinct = -(view.unit_mean_key * unit_layer_mean).sum(dim=-1).mean(dim=-1)  # KeyDiff: unit_cosine
         ranked.append((next(column), norm.numpy()))
         ranked.append((next(column), distinct.numpy()))
     else:
@@ -157,17 +157,22 @@ def policy_features(view: CacheView, blind_phase: str = "prefill") -> np.ndarray
 
 def top_b(keyed, candidates, room):
     """``[..., N]`` bool: each row's ``room`` (``[...]``, clipped at 0) highest ``keyed`` scores among its
-    ``candidates``; ties keep block order; non-candidates are never kept. The one top-b rule: ``keep_top`` and the
-    replay twin call it on numpy arrays (it answers in numpy), training on batched torch tensors
-    (``kvgym.envs.reward.kept_by_ranking``)."""
-    as_numpy = isinstance(keyed, np.ndarray)
+    ``candidates``; ties keep block order; non-candidates are never kept; NaN scores are the caller's to clear. The
+    one top-b rule: ``keep_top`` and the replay twin call it on numpy arrays (it answers in numpy), training on
+    batched torch tensors (``kvgym.envs.reward.kept_by_ranking``); a test holds the two paths equal."""
+    if isinstance(keyed, np.ndarray):  # numpy's own sort: no conversions on the replay's hot path
+        masked = np.where(candidates, keyed.astype(np.float64, copy=False), -np.inf)
+        order = np.argsort(-masked, axis=-1, kind="stable")  # best first; ties keep block order
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.broadcast_to(np.arange(order.shape[-1]), order.shape), axis=-1)
+        return candidates & (rank < np.maximum(np.asarray(room), 0)[..., None])
     scores, candidates = torch.as_tensor(keyed), torch.as_tensor(candidates)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     masked = torch.where(candidates, scores, torch.tensor(-torch.inf, dtype=scores.dtype))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
     kept = candidates & (rank < torch.as_tensor(room).clamp(min=0)[..., None])
-    return kept.numpy() if as_numpy else kept
+    return kept
 
 
 def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> Placement:

@@ -162,6 +162,33 @@ def test_load_records_expands_streaming_states_with_their_own_future(tmp_path):
     assert torch.equal(kept.sum(-1), torch.minimum(decisions.room, decisions.candidates.sum(-1)))
 
 
+def test_top_b_numpy_and_torch_paths_keep_the_same_blocks_as_a_plain_sort():
+    """Reference: Python's sort per row (score descending, then block order); many ties, negative rooms. The
+    numpy path (keep_top, the replay twin) and the torch path (training) must give the same answer; negative
+    control: a reversed tie order differs."""
+    from cache.ranking import top_b
+
+    rng = np.random.default_rng(5)
+    for shape in ((3, 12), (2, 4, 9)):
+        scores = rng.integers(0, 4, shape).astype(np.float32)
+        candidates = rng.random(shape) > 0.3
+        room = rng.integers(-1, shape[-1], shape[:-1])
+        got = top_b(scores, candidates, room)
+        assert isinstance(got, np.ndarray)
+        assert np.array_equal(got, top_b(torch.from_numpy(scores), torch.from_numpy(candidates),
+                                         torch.from_numpy(room)).numpy())
+        want = np.zeros(shape, bool)
+        wrong = np.zeros(shape, bool)
+        for row in np.ndindex(shape[:-1]):
+            index = [b for b in range(shape[-1]) if candidates[row][b]]
+            best = sorted(index, key=lambda b: (-scores[row][b], b))[: max(int(room[row]), 0)]
+            worst_ties = sorted(index, key=lambda b: (-scores[row][b], -b))[: max(int(room[row]), 0)]
+            want[row][best] = True
+            wrong[row][worst_ties] = True
+        assert np.array_equal(got, want)
+        assert not np.array_equal(got, wrong)
+
+
 def test_keep_top_keeps_the_best_scores_and_the_pinned_blocks(tiny_model):
     cache, view = view_after_prefill(tiny_model)
     n = view.num_blocks

@@ -185,6 +185,13 @@ def load_episodes(source) -> list[dict]:
     return episodes
 
 
+def _shares(features: np.ndarray) -> np.ndarray:
+    """``[len(SHARE_COLUMNS), L, N]`` float64: the latest forward's attention shares back from their log_share
+    columns (``log(N · share + 1e-4)``; the scale cancels when the replay renormalises them)."""
+    stacked = np.moveaxis(features[..., SHARE_COLUMNS], -1, 0).astype(np.float64)
+    return np.maximum(np.exp(stacked) - 1e-4, 0.0)
+
+
 class KVCacheReplayEnv(gym.Env):
     """See the module docstring. ``episodes``: a folder, paths or dicts (``load_episodes``); ``max_tokens`` fixes
     the observation's block axis as the live env's does (default: the longest episode's)."""
@@ -200,9 +207,12 @@ class KVCacheReplayEnv(gym.Env):
         if isinstance(host_blocks, bool) or not isinstance(host_blocks, int) or host_blocks < 0:
             raise ValueError(f"host_blocks {host_blocks!r}: must be an integer >= 0")
         costs = transfer_costs(transfer_cost, mass_weight=mass_weight)
-        self.episodes = [{**episode,  # numpy once (the steps read them thousands of times); the caller's dicts untouched
-                          "features": [np.asarray(f, np.float16) for f in episode["features"]],
-                          "future": [np.asarray(f, np.float64) for f in episode["future"]]} for episode in self.episodes]
+        # numpy once (the steps read them thousands of times), float32 features and the latest forward's attention
+        # shares decoded from their log_share columns; the caller's dicts untouched
+        self.episodes = [{**episode, "features": [np.asarray(f, np.float32) for f in episode["features"]],
+                          "future": [np.asarray(f, np.float64) for f in episode["future"]],
+                          "shares": [_shares(np.asarray(f, np.float32)) for f in episode["features"]]}
+                         for episode in self.episodes]
         first = self.episodes[0]
         self.num_layers, self.block_size = first["num_layers"], first["block_size"]
         self.max_tokens = max_tokens or max(int(1.25 * e["total_tokens"]) + 256 for e in self.episodes)
@@ -315,9 +325,8 @@ class KVCacheReplayEnv(gym.Env):
         for column, where in zip(TIER_COLUMNS, on, strict=True):
             blocks[:, :n, column] = where
         off = ~on[0]
-        if off.any():  # shares back from log_share (log(n * share + 1e-4)), the off-device ones zeroed
-            stacked = np.moveaxis(blocks[:, :n, SHARE_COLUMNS], -1, 0).astype(np.float64)
-            shares = np.where(off | ~valid, 0.0, np.maximum(np.exp(stacked) - 1e-4, 0.0))
+        if off.any():  # the recorded shares with the off-device ones zeroed, renormalised and ranked again
+            shares = np.where(off | ~valid, 0.0, episode["shares"][point])
             total = shares.sum(axis=-1, keepdims=True)
             logs = np.log(shares / np.where(total > 0, total, 1.0) * n + 1e-4)
             blocks[:, :n, SHARE_COLUMNS] = np.moveaxis(np.where(valid, logs, np.log(1e-4)), 0, -1)
