@@ -279,14 +279,17 @@ class Runner:
 
     def _feed(self, cache: PagedKVCache, state: _State | None, ids: list[int]):
         """One forward of ``ids`` (observed for sentence ends); returns the last position's logits."""
-        device = next(self.model.parameters()).device
-        chunk = torch.tensor([ids], device=device)
-        self._observe(cache, cache.seen, chunk)
-        out = self.model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
+        return drive(self._forward(cache, state, ids))
+
+    def _forward(self, cache: PagedKVCache, state: _State | None, ids: list[int]):
+        """``_feed`` as a step of a run's generator: it yields ``(model, cache, ids)`` and the driver sends back
+        the last position's logits (one forward alone, or one row of a batched forward: ``run_batched``)."""
+        self._observe(cache, cache.seen, torch.tensor([ids]))
+        logits = yield self.model, cache, ids
         if state is not None:
             state.token_ids.extend(ids)
             state.peak = max(state.peak, sum(cache.tables.count_in(layer, Tier.DEVICE) for layer in range(cache.num_layers)))
-        return out.logits[0, -1].float()
+        return logits
 
     def _chunks(self, start: int, end: int, from_end: bool = False) -> list[tuple[int, int]]:
         """``[start, end)`` in ``prefill_chunk`` pieces, aligned to ``start`` (or to ``end``)."""
@@ -312,13 +315,17 @@ class Runner:
         return SharedPrefill(cache, prompt, protocol, dense_end, max_new_tokens, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ the run
-    @torch.no_grad()
-    def run(self, input_ids, max_new_tokens: int = 64, do_sample: bool = False,
-            temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-            keep_logits: bool = False, forced_tokens: list[int] | None = None,
-            shared: SharedPrefill | None = None, on_token=None) -> RunResult:
-        """Run ``input_ids`` (a ``Prompt``, or token ids: the whole prompt is then the context) under the
-        runner's protocol, then decode up to ``max_new_tokens`` per turn.
+    def run(self, input_ids, max_new_tokens: int = 64, **options) -> RunResult:
+        """``steps`` driven one forward at a time (``run_batched`` drives several runs through batched forwards)."""
+        return drive(self.steps(input_ids, max_new_tokens, **options))
+
+    def steps(self, input_ids, max_new_tokens: int = 64, do_sample: bool = False,
+              temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
+              keep_logits: bool = False, forced_tokens: list[int] | None = None,
+              shared: SharedPrefill | None = None, on_token=None):
+        """A generator that runs ``input_ids`` (a ``Prompt``, or token ids: the whole prompt is then the context)
+        under the runner's protocol, then decodes up to ``max_new_tokens`` per turn; it yields each forward it
+        needs as ``(model, cache, ids)``, takes the last position's logits back, and returns the ``RunResult``.
 
         ``forced_tokens`` teacher-forces the continuation: those tokens are fed (and returned as
         ``new_tokens``) instead of the model's picks, so ``keep_logits`` gives the model's distribution at
@@ -357,7 +364,7 @@ class Runner:
         else:
             cache = self._new_cache(total, **({"track_query_max": True} if track_query_max else {}))
             for a, b in self._chunks(0, dense_end, from_end=True):
-                self._feed(cache, None, prompt.ids[a:b])
+                yield from self._forward(cache, None, prompt.ids[a:b])
         state = _State(cache, budget, list(prompt.ids[:dense_end]), prompt.context_end,
                        total=sum(budget) if budget is not None and self.budget_scope == "global" else None)
         if one_shot:
@@ -368,7 +375,7 @@ class Runner:
         last = len(prompt.ids) - 1
         segments = [(dense_end, min(prompt.context_end, last)), (max(prompt.context_end, dense_end), last)]
         for a, b in [piece for seg in segments for piece in self._chunks(*seg)]:
-            self._feed(cache, state, prompt.ids[a:b])
+            yield from self._forward(cache, state, prompt.ids[a:b])
             if not one_shot or self._over_budget(cache, state):
                 # the chunk that ends the question is the question's decision point
                 self._decision_point(state, "question" if b == last and not one_shot else "prefill")
@@ -382,9 +389,9 @@ class Runner:
             if number > 0:  # the previous answer's last token and this turn's question, streamed
                 fed = [turn_tokens[-1][-1]] + turn[:-1]
                 for a, b in self._chunks(0, len(fed)):
-                    self._feed(cache, state, fed[a:b])
+                    yield from self._forward(cache, state, fed[a:b])
                     self._decision_point(state, "question" if b == len(fed) else "prefill")
-            logits = self._feed(cache, state, turn[-1:])
+            logits = yield from self._forward(cache, state, turn[-1:])
             token = forced_tokens[0] if forced_tokens else self._pick(logits, do_sample, temperature, top_p, generator)
             if number == 0:
                 ttft_s = time.perf_counter() - start
@@ -400,7 +407,7 @@ class Runner:
                 if token in eos:
                     break
                 step_start = time.perf_counter()
-                logits = self._feed(cache, state, [token])
+                logits = yield from self._forward(cache, state, [token])
                 step_bytes.append(sum(cache.last_bytes_read))
                 token = (forced_tokens[step] if forced_tokens
                          else self._pick(logits, do_sample, temperature, top_p, generator))
@@ -485,3 +492,68 @@ class Runner:
             sorted_probs[cut] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def forward_one(model, cache: PagedKVCache, ids: list[int]) -> torch.Tensor:
+    """One sequence's forward of ``ids`` on its cache: the last position's logits (float32)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1].float()
+
+
+def drive(steps):
+    """Run a generator of forwards (``Runner.steps``, ``Runner._forward``) one forward at a time; its return value."""
+    with torch.no_grad():
+        try:
+            request = next(steps)
+            while True:
+                request = steps.send(forward_one(*request))
+        except StopIteration as stop:
+            return stop.value
+
+
+def run_batched(runs: list) -> list:
+    """Drive several runs' generators (``Runner.steps``) together: at each round every run that waits for a forward
+    is served, those that feed the same number of tokens to the same model in one batched forward (``cache.batched``:
+    each row reads and writes its own cache), the others alone. Returns each run's ``RunResult`` in order. The
+    results equal those of ``drive``-ing each run alone up to float rounding (the batched matrix products sum in
+    another order); the per-run times (``prefill_s``, ``ttft_s``, ``decode_ms_per_token``) are those of the shared
+    forwards. A run that raises stops the batch; the error carries the run's position as ``run_index``."""
+    from cache.batched import batched_forward
+
+    results: list = [None] * len(runs)
+    pending: dict[int, tuple] = {}
+    with torch.no_grad():
+        for index, steps in enumerate(runs):
+            try:
+                pending[index] = next(steps)
+            except StopIteration as stop:
+                results[index] = stop.value
+            except Exception as error:
+                error.run_index = index
+                raise
+        while pending:
+            groups: dict[tuple, list[int]] = {}
+            for index, (model, _, ids) in pending.items():
+                groups.setdefault((id(model), len(ids)), []).append(index)
+            answers = {}
+            for members in groups.values():
+                model = pending[members[0]][0]
+                if len(members) == 1:
+                    answers[members[0]] = forward_one(*pending[members[0]])
+                    continue
+                device = next(model.parameters()).device
+                ids = torch.tensor([pending[i][2] for i in members], device=device)
+                logits = batched_forward(model, [pending[i][1] for i in members], ids)
+                answers.update({i: logits[row, -1].float() for row, i in enumerate(members)})
+            for index, logits in answers.items():
+                try:
+                    pending[index] = runs[index].send(logits)
+                except StopIteration as stop:
+                    results[index] = stop.value
+                    del pending[index]
+                except Exception as error:
+                    error.run_index = index  # which run failed (the harness names its controller)
+                    raise
+    return results

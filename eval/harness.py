@@ -138,7 +138,7 @@ class _Work:
 
 class _Context:
     def __init__(self, model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every,
-                 protocol="streaming", decode_budget="grow", share_prefill=True, budget_scope=None):
+                 protocol="streaming", decode_budget="grow", share_prefill=True, budget_scope=None, batch_runs=False):
         from cache.paged_cache import CacheConfig
         from cache.sentences import sentence_end_token_ids
 
@@ -146,7 +146,7 @@ class _Context:
         self.cache_config = CacheConfig(block_size=block_size, host_blocks=host_blocks)
         self.prefill_chunk, self.decide_every = prefill_chunk, decide_every
         self.protocol, self.decode_budget, self.share_prefill = protocol, decode_budget, share_prefill
-        self.budget_scope = budget_scope
+        self.budget_scope, self.batch_runs = budget_scope, batch_runs
         # the vocabulary scan is done once here rather than by every Runner
         self.sentence_end_ids = sentence_end_token_ids(tokenizer) if hasattr(tokenizer, "get_vocab") else None
         self.shared = None  # the current sample's dense prefill (one-shot protocols)
@@ -176,6 +176,20 @@ class _Context:
             result.cache.close()
             result.cache = None
         return result
+
+    def run_together(self, runs, prompt, sample, forced):
+        """``run`` for several ``(controller, budget)`` at once: their forwards batched (``cache.runner.run_batched``)."""
+        from cache.runner import run_batched
+
+        steps = [self.runner(controller, budget).steps(prompt, max_new_tokens=sample.max_new_tokens, keep_logits=True,
+                                                       forced_tokens=forced, shared=self.shared)
+                 for controller, budget in runs]
+        results = run_batched(steps)
+        for result in results:
+            if result.cache is not None:
+                result.cache.close()
+                result.cache = None
+        return results
 
     def oracle(self, spec, prompt, sample, forced):
         from agents.baselines.oracle import TraceRecorder
@@ -248,7 +262,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
              chat: bool = True, host_blocks: int = 0, block_size: int = 16, prefill_chunk: int = 64,
              decide_every: int = 8, protocol: str = "streaming", decode_budget: str = "grow",
              budget_scope: str | None = None, share_prefill: bool = True, model_name: str | None = None, progress: bool = True,
-             plots: bool = True, ray: dict | None = None) -> list[dict]:
+             plots: bool = True, ray: dict | None = None, batch_runs: bool = False) -> list[dict]:
     """Run the evaluation (see the module docstring) and write the files; returns the summary rows.
 
     ``controllers`` are registry specs (a list, or one comma-separated string), ``budgets`` fractions in
@@ -256,6 +270,8 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
     ``dataset``), ``lengths`` target prompt lengths in tokens, ``n`` samples per task and length (and the
     most samples taken from a dataset). ``ray`` (a dict: ``address``, ``workers``, and the ``model`` name,
     ``device`` and ``dtype`` each worker loads; ``eval.ray_eval``) sends each sample's runs to a Ray cluster instead.
+    ``batch_runs`` runs a sample's controllers and budgets in lockstep with their forwards batched
+    (``cache.runner.run_batched``: the same answers up to float rounding; time fields are the shared forwards').
     """
     from tqdm import tqdm
 
@@ -330,7 +346,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
             warnings.warn(f"{samples_path}: {count} records of {spec} were made with another version of the file it "
                           "names (or before digests were recorded); those runs go again", stacklevel=2)
         context = _Context(model, tokenizer, chat, host_blocks, block_size, prefill_chunk, decide_every, protocol,
-                           decode_budget, share_prefill, budget_scope)
+                           decode_budget, share_prefill, budget_scope, batch_runs)
         wanted: list[tuple] = []
         bar = tqdm(total=len(work) * len(runs), desc="kvgym eval", unit="run", **({} if progress else {"disable": True}))
         try:
@@ -358,7 +374,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
                 settings = {"chat": chat, "host_blocks": host_blocks, "block_size": block_size,
                             "prefill_chunk": prefill_chunk, "decide_every": decide_every, "protocol": protocol,
                             "decode_budget": decode_budget, "share_prefill": share_prefill,
-                            "budget_scope": budget_scope}
+                            "budget_scope": budget_scope, "batch_runs": batch_runs}
                 for key, record in run_on_ray(ray, settings, pending):
                     _keep(key, record, done, samples_path, digests)
                     bar.update(1)
@@ -411,21 +427,38 @@ def sample_records(context: _Context, item: _Work, sample, sample_seed_value, ke
         reference = context.run(None, None, prompt, sample, forced)
     except ValueError as err:
         raise ValueError(f"{where}, full cache: {err}") from None
+    def controller_of(spec, budget):
+        try:
+            if parse_spec(spec)[0] != "oracle":
+                return make_controller(spec)
+            if spec not in oracles:
+                oracles[spec] = context.oracle(spec, prompt, sample, forced)
+            return oracles[spec]
+        except ValueError as err:
+            raise ValueError(f"{where}, controller {spec} at budget {budget:g}: {err}") from None
+
     try:
+        together = {}
+        if context.batch_runs:  # every run of the sample in lockstep, their forwards batched
+            batch = [key for key in keys if key[0] != FULL]
+            try:
+                results = context.run_together([(controller_of(*key[:2]), key[1]) for key in batch], prompt, sample,
+                                               forced)
+            except ValueError as err:
+                spec, budget = batch[getattr(err, "run_index", 0)][:2]
+                raise ValueError(f"{where}, controller {spec} at budget {budget:g}: {err}") from None
+            together = dict(zip(batch, results, strict=True))
         for key in keys:
             spec, budget = key[0], key[1]
             if bar is not None:
                 bar.set_postfix_str(f"{item.task}/{item.length}/{item.index} {spec}@{budget:g}", refresh=False)
             if spec == FULL:
                 result = reference
+            elif key in together:
+                result = together[key]
             else:
+                controller = controller_of(spec, budget)
                 try:
-                    if parse_spec(spec)[0] == "oracle":
-                        if spec not in oracles:
-                            oracles[spec] = context.oracle(spec, prompt, sample, forced)
-                        controller = oracles[spec]
-                    else:
-                        controller = make_controller(spec)
                     result = context.run(controller, budget, prompt, sample, forced)
                 except ValueError as err:
                     raise ValueError(f"{where}, controller {spec} at budget {budget:g}: {err}") from None

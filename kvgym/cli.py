@@ -83,14 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                            help="UTF-8 text file, or a .json list of token ids (default: packaged eval/data/alice29.txt)")
     bandwidth.add_argument("--host-blocks", type=int, default=0, help="host-tier blocks per layer (0: evicted blocks are dropped)")
     bandwidth.add_argument("--out", type=Path, required=True, help="folder for bandwidth.csv/.png, evictions.jsonl, summary.json")
-    bench_eval = bench_kinds.add_parser("eval", help="evaluation runs per hour with and without shared dense prefills")
+    bench_eval = bench_kinds.add_parser("eval", help="evaluation runs per hour: per-run, shared prefills, batched runs")
     add_model_args(bench_eval)
     bench_eval.add_argument("--controllers", default="h2o,tova,snapkv,streamingllm,lru")
     bench_eval.add_argument("--budgets", default="0.125,0.25,0.5")
     bench_eval.add_argument("--tasks", default="passkey")
     bench_eval.add_argument("--lengths", default="1024")
     bench_eval.add_argument("--n", type=int, default=2)
-    bench_eval.add_argument("--protocol", default="oneshot-question", choices=("oneshot", "oneshot-question"))
+    bench_eval.add_argument("--protocol", default="oneshot-question", choices=PROTOCOL_CHOICES)
     bench_eval.add_argument("--json", type=Path, required=True, help="where to write the results")
     bench_ops = bench_kinds.add_parser("ops", help="time per operation, CacheView cost, budgeted vs full decode")
     add_model_args(bench_ops)
@@ -126,8 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                             help="send each sample's runs to a Ray cluster (ADDRESS, e.g. auto or ray://host:10001; "
                                  "none: a local Ray, one worker per CPU); records and resume as in a local run")
-    evaluation.add_argument("--ray-workers", type=int, default=None,
-                            help="with --ray: how many model workers (default: one per CPU of the cluster)")
+    evaluation.add_argument("--ray-workers", type=int, default=None, help="with --ray: model workers (default: 1 per CPU)")
     evaluation.add_argument("--budget-scope", default=None, choices=("layer", "global"),
                             help="layer: each layer holds its share; global (kvpress's layerwise=False): only the total "
                                  "holds, score-based baselines evict their lowest scores over all layers (default: the "
@@ -147,15 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--lengths", default="2048,4096", help="comma-separated target prompt lengths in tokens")
     evaluation.add_argument("--n", type=int, default=20, help="samples per task and length")
     evaluation.add_argument("--seed", type=int, default=0, help="draws the samples (another seed: fresh samples)")
-    evaluation.add_argument("--tasks-file", type=Path, default=None,
-                            help="JSONL of your own samples: input (or context + question), answer_prefix, outputs, "
-                                 "metric per line")
+    evaluation.add_argument("--tasks-file", type=Path, default=None, help="JSONL of your own samples: input (or "
+                            "context + question), answer_prefix, outputs, metric per line")
     evaluation.add_argument("--host-blocks", type=int, default=512,
                             help="host-tier blocks per layer (default 512 = 8k tokens: evicted blocks stay "
                                  "fetchable, which retrieval policies such as sentencekv and quest need; "
                                  "0: evicted blocks are dropped)")
     evaluation.add_argument("--prefill-chunk", type=int, default=64)
     evaluation.add_argument("--decide-every", type=int, default=8, help="decode steps between controller decisions")
+    evaluation.add_argument("--batch-runs", action="store_true", help="run each sample's controllers and budgets in "
+                            "lockstep, their forwards batched (same answers up to float rounding; times are shared)")
     evaluation.add_argument("--no-chat", action="store_true", help="do not wrap the prompts in the chat template")
     evaluation.add_argument("--no-plots", action="store_true", help="write the tables only")
     evaluation.add_argument("--out", type=Path, required=True,
@@ -214,7 +214,7 @@ def cmd_eval(args) -> int:
                     dataset_split=args.dataset_split, chat=not args.no_chat, host_blocks=args.host_blocks,
                     block_size=args.block_size, prefill_chunk=args.prefill_chunk, decide_every=args.decide_every,
                     protocol=args.protocol, decode_budget=args.decode_budget, budget_scope=args.budget_scope,
-                    model_name=args.model, plots=not args.no_plots, ray=ray)
+                    model_name=args.model, plots=not args.no_plots, ray=ray, batch_runs=args.batch_runs)
     failed = sorted({(r["task"], r["length"]) for r in rows if r["full_cache_failed"]})
     print((args.out / "summary.md").read_text())
     if failed:

@@ -59,6 +59,22 @@ def test_shared_prefills_give_the_same_records(tiny_model, tmp_path):
     assert a == b
 
 
+@pytest.mark.parametrize("protocol,tasks", [("oneshot-question", ["fake_key"]), ("streaming", ["fake_key", "fake_text"]),
+                                            ("multiturn", ["fake_turns"])])
+def test_batched_runs_give_the_same_records(tiny_model, tmp_path, protocol, tasks):
+    """``batch_runs``: a sample's runs in lockstep, forwards batched: the records of runs one at a time (times aside,
+    KL and perplexity to float rounding)."""
+    for batch in (True, False):
+        run(tiny_model, tmp_path / str(batch), protocol=protocol, tasks=tasks, batch_runs=batch,
+            controllers=["lru", "h2o", "tova"], budgets=[0.25, 0.5])
+    strip = ("decode_ms_per_token", "ttft_ms", "kl", "perplexity")
+    batched, alone = ([{k: v for k, v in r.items() if k not in strip} for r in records(tmp_path / str(b))]
+                      for b in (True, False))
+    assert batched == alone and len(alone) == len(tasks) * 2 * (1 + 3 * 2)
+    for a, b in zip(records(tmp_path / "True"), records(tmp_path / "False"), strict=True):
+        assert a["kl"] == pytest.approx(b["kl"], abs=1e-5) and a["perplexity"] == pytest.approx(b["perplexity"])
+
+
 @pytest.mark.parametrize("protocol", ["multiturn", "oneshot"])
 def test_multiturn_scores_every_turn(tiny_model, tmp_path, monkeypatch, protocol):
     monkeypatch.setattr(harness, "score_sample", fake_score)
@@ -131,3 +147,17 @@ def test_tasks_file_accepts_context_and_question(tmp_path):
     path.write_text(json.dumps({"context": "a", "question": "b", "input": "c", "outputs": ["x"], "metric": "exact"}))
     with pytest.raises(ValueError, match="must equal 'context' \\+ 'question'"):
         inputs.read_tasks_file(path)
+
+
+def test_bench_eval_times_every_setting_and_compares_their_answers(tiny_model):
+    from eval.benchmark import bench_eval
+
+    report = bench_eval(tiny_model, ByteTokenizer(), controllers="lru,h2o", budgets="0.5", tasks="fake_key",
+                        lengths="96", n=1)
+    assert [name for name in ("per_run", "shared", "shared_batched") if report[name]["runs"] == 3] == [
+        "per_run", "shared", "shared_batched"]
+    assert report["same_answers"] == {"per_run": True, "shared": True, "shared_batched": True}
+    assert set(report["speedup_over_per_run"]) == {"per_run", "shared", "shared_batched"}
+    streaming = bench_eval(tiny_model, ByteTokenizer(), controllers="lru", budgets="0.5", tasks="fake_key",
+                           lengths="96", n=1, protocol="streaming")
+    assert "per_run" not in streaming and set(streaming["same_answers"]) == {"shared", "shared_batched"}
