@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -153,6 +154,28 @@ class SharedPrefill:
     dense_end: int
     max_new_tokens: int
     seconds: float
+
+
+class Forward(NamedTuple):
+    """A run's request for one forward of ``ids`` on its ``cache``; the driver answers the last position's logits."""
+    model: object
+    cache: PagedKVCache
+    ids: list[int]
+
+
+class Decide(NamedTuple):
+    """A run's request for a decision (controller ``EXTERNAL``); the driver answers ``Decision``s or a ``Placement``."""
+    view: CacheView
+
+
+class _External:
+    """The controller whose decisions come from the run's driver (``Decide`` requests), e.g. a gymnasium env."""
+
+    def __repr__(self) -> str:
+        return "EXTERNAL"
+
+
+EXTERNAL = _External()
 
 
 @dataclass
@@ -282,10 +305,10 @@ class Runner:
         return drive(self._forward(cache, state, ids))
 
     def _forward(self, cache: PagedKVCache, state: _State | None, ids: list[int]):
-        """``_feed`` as a step of a run's generator: it yields ``(model, cache, ids)`` and the driver sends back
-        the last position's logits (one forward alone, or one row of a batched forward: ``run_batched``)."""
+        """``_feed`` as a step of a run's generator: it yields a ``Forward`` and the driver sends back the last
+        position's logits (one forward alone, or one row of a batched forward: ``run_batched``)."""
         self._observe(cache, cache.seen, torch.tensor([ids]))
-        logits = yield self.model, cache, ids
+        logits = yield Forward(self.model, cache, ids)
         if state is not None:
             state.token_ids.extend(ids)
             state.peak = max(state.peak, sum(cache.tables.count_in(layer, Tier.DEVICE) for layer in range(cache.num_layers)))
@@ -325,7 +348,9 @@ class Runner:
               shared: SharedPrefill | None = None, on_token=None):
         """A generator that runs ``input_ids`` (a ``Prompt``, or token ids: the whole prompt is then the context)
         under the runner's protocol, then decodes up to ``max_new_tokens`` per turn; it yields each forward it
-        needs as ``(model, cache, ids)``, takes the last position's logits back, and returns the ``RunResult``.
+        needs as a ``Forward`` and takes the last position's logits back; with the controller ``EXTERNAL`` it also
+        yields a ``Decide`` at each decision point and takes the decision back (a gymnasium env: the agent
+        decides). It returns the ``RunResult``.
 
         ``forced_tokens`` teacher-forces the continuation: those tokens are fed (and returned as
         ``new_tokens``) instead of the model's picks, so ``keep_logits`` gives the model's distribution at
@@ -368,7 +393,7 @@ class Runner:
         state = _State(cache, budget, list(prompt.ids[:dense_end]), prompt.context_end,
                        total=sum(budget) if budget is not None and self.budget_scope == "global" else None)
         if one_shot:
-            self._decision_point(state, "compress")
+            yield from self._decision_point(state, "compress")
             if self.decode_budget == "grow":
                 state.budget = state.total = None  # kvpress: the cache grows after the one compression
         # the rest of the prompt but its last token: streamed (context, then question), decisions after chunks
@@ -378,7 +403,7 @@ class Runner:
             yield from self._forward(cache, state, prompt.ids[a:b])
             if not one_shot or self._over_budget(cache, state):
                 # the chunk that ends the question is the question's decision point
-                self._decision_point(state, "question" if b == last and not one_shot else "prefill")
+                yield from self._decision_point(state, "question" if b == last and not one_shot else "prefill")
         prefill_s = time.perf_counter() - start
 
         eos = self._eos_ids() if stop_at_eos else set()
@@ -390,7 +415,7 @@ class Runner:
                 fed = [turn_tokens[-1][-1]] + turn[:-1]
                 for a, b in self._chunks(0, len(fed)):
                     yield from self._forward(cache, state, fed[a:b])
-                    self._decision_point(state, "question" if b == len(fed) else "prefill")
+                    yield from self._decision_point(state, "question" if b == len(fed) else "prefill")
             logits = yield from self._forward(cache, state, turn[-1:])
             token = forced_tokens[0] if forced_tokens else self._pick(logits, do_sample, temperature, top_p, generator)
             if number == 0:
@@ -398,7 +423,7 @@ class Runner:
             if on_token is not None:
                 on_token(number, 0, logits, token)
             # the last prompt token's forward is decode step 0 (a decision every decide_every steps counts from it)
-            self._decision_point(state, "decode")
+            yield from self._decision_point(state, "decode")
             new_tokens = [token]
             turn_logits.append(logits)
             if keep_logits and number == 0:
@@ -414,7 +439,7 @@ class Runner:
                 if on_token is not None:
                     on_token(number, step, logits, token)
                 if step % self.decide_every == 0 or self._over_budget(cache, state):
-                    self._decision_point(state, "decode")
+                    yield from self._decision_point(state, "decode")
                 step_times.append(time.perf_counter() - step_start)
                 new_tokens.append(token)
                 if keep_logits and number == 0:
@@ -451,7 +476,7 @@ class Runner:
             return sum(device) > state.total + 1e-9
         return any(count > limit + 1e-9 for count, limit in zip(device, state.budget, strict=True))
 
-    def _decision_point(self, state: _State, phase: str) -> None:
+    def _decision_point(self, state: _State, phase: str):
         if self.controller is None or state.budget is None:
             return
         cache = state.cache
@@ -460,7 +485,8 @@ class Runner:
                                     token_ids=torch.tensor(state.token_ids, dtype=torch.long),
                                     question_read=len(state.token_ids) > state.context_end,
                                     total_budget=state.total)
-        for name, count in apply_decisions(cache, self.controller.decide(view)).items():
+        decision = (yield Decide(view)) if self.controller is EXTERNAL else self.controller.decide(view)
+        for name, count in apply_decisions(cache, decision).items():
             state.ops[name] = state.ops.get(name, 0) + count
         if state.total is not None:
             device = self._device_blocks(cache)
@@ -494,6 +520,11 @@ class Runner:
         return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def _no_decider(*_):
+    raise RuntimeError("a run with the EXTERNAL controller asks its driver for decisions: drive it with a decide "
+                       "function (drive(steps, decide), run_batched(runs, decide)) or from a gymnasium env")
+
+
 def forward_one(model, cache: PagedKVCache, ids: list[int]) -> torch.Tensor:
     """One sequence's forward of ``ids`` on its cache: the last position's logits (float32)."""
     device = next(model.parameters()).device
@@ -502,58 +533,88 @@ def forward_one(model, cache: PagedKVCache, ids: list[int]) -> torch.Tensor:
     return out.logits[0, -1].float()
 
 
-def drive(steps):
-    """Run a generator of forwards (``Runner.steps``, ``Runner._forward``) one forward at a time; its return value."""
+def drive(steps, decide=None):
+    """Run a generator of forwards (``Runner.steps``, ``Runner._forward``) one forward at a time; its return value.
+    ``decide(view)`` answers its ``Decide`` requests (controller ``EXTERNAL``)."""
+    decide = decide or _no_decider
     with torch.no_grad():
         try:
             request = next(steps)
             while True:
-                request = steps.send(forward_one(*request))
+                answer = forward_one(*request) if isinstance(request, Forward) else decide(request.view)
+                request = steps.send(answer)
         except StopIteration as stop:
             return stop.value
 
 
-def run_batched(runs: list) -> list:
-    """Drive several runs' generators (``Runner.steps``) together: at each round every run that waits for a forward
-    is served, those that feed the same number of tokens to the same model in one batched forward (``cache.batched``:
-    each row reads and writes its own cache), the others alone. Returns each run's ``RunResult`` in order. The
-    results equal those of ``drive``-ing each run alone up to float rounding (the batched matrix products sum in
-    another order); the per-run times (``prefill_s``, ``ttft_s``, ``decode_ms_per_token``) are those of the shared
-    forwards. A run that raises stops the batch; the error carries the run's position as ``run_index``."""
+class Finished(NamedTuple):
+    """What ``send_to`` gives for a run that has ended: its return value (a ``RunResult``)."""
+    result: object
+
+
+def send_to(steps, value, index=None):
+    """``value`` sent into a run's generator (None: its start): its next request, or ``Finished``. An error the run
+    raises carries ``index`` as ``run_index``."""
+    try:
+        return steps.send(value)
+    except StopIteration as stop:
+        return Finished(stop.value)
+    except Exception as error:
+        error.run_index = index  # which run failed (the harness names its controller)
+        raise
+
+
+def serve_forwards(requests: dict, send) -> dict:
+    """Answer every ``Forward`` among ``requests`` (key -> a run's pending request): those of the same model and length
+    in one batched forward (``cache.batched``: each row reads and writes its own cache), a lone one alone; each run
+    gets its logits through ``send(key, logits)``, which returns its next request. Repeats until no forward is left
+    and returns the other requests (``Decide``s, ``Finished``)."""
     from cache.batched import batched_forward
 
-    results: list = [None] * len(runs)
-    pending: dict[int, tuple] = {}
+    requests = dict(requests)
     with torch.no_grad():
-        for index, steps in enumerate(runs):
-            try:
-                pending[index] = next(steps)
-            except StopIteration as stop:
-                results[index] = stop.value
-            except Exception as error:
-                error.run_index = index
-                raise
-        while pending:
-            groups: dict[tuple, list[int]] = {}
-            for index, (model, _, ids) in pending.items():
-                groups.setdefault((id(model), len(ids)), []).append(index)
-            answers = {}
+        while True:
+            groups: dict[tuple, list] = {}
+            for key, request in requests.items():
+                if isinstance(request, Forward):
+                    groups.setdefault((id(request.model), len(request.ids)), []).append(key)
+            if not groups:
+                return requests
             for members in groups.values():
-                model = pending[members[0]][0]
+                first = requests[members[0]]
                 if len(members) == 1:
-                    answers[members[0]] = forward_one(*pending[members[0]])
-                    continue
-                device = next(model.parameters()).device
-                ids = torch.tensor([pending[i][2] for i in members], device=device)
-                logits = batched_forward(model, [pending[i][1] for i in members], ids)
-                answers.update({i: logits[row, -1].float() for row, i in enumerate(members)})
-            for index, logits in answers.items():
-                try:
-                    pending[index] = runs[index].send(logits)
-                except StopIteration as stop:
-                    results[index] = stop.value
-                    del pending[index]
-                except Exception as error:
-                    error.run_index = index  # which run failed (the harness names its controller)
-                    raise
+                    answers = {members[0]: forward_one(*first)}
+                else:
+                    device = next(first.model.parameters()).device
+                    ids = torch.tensor([requests[key].ids for key in members], device=device)
+                    logits = batched_forward(first.model, [requests[key].cache for key in members], ids)
+                    answers = {key: logits[row, -1].float() for row, key in enumerate(members)}
+                for key, value in answers.items():
+                    requests[key] = send(key, value)
+
+
+def run_batched(runs: list, decide=None) -> list:
+    """Drive several runs' generators (``Runner.steps``) together: at each round every run that waits for a forward
+    is served, those that feed the same number of tokens to the same model in one batched forward
+    (``serve_forwards``). Returns each run's ``RunResult`` in order. The results equal those of ``drive``-ing each
+    run alone up to float rounding (the batched matrix products sum in another order); the per-run times
+    (``prefill_s``, ``ttft_s``, ``decode_ms_per_token``) are those of the shared forwards. A run that raises stops
+    the batch; the error carries the run's position as ``run_index``. ``decide(index, view)`` answers the
+    ``Decide`` requests of runs with the controller ``EXTERNAL``."""
+    decide = decide or _no_decider
+    results: list = [None] * len(runs)
+
+    def send(index, value):
+        return send_to(runs[index], value, index)
+
+    requests = {index: send(index, None) for index in range(len(runs))}
+    with torch.no_grad():
+        while requests:
+            requests = serve_forwards(requests, send)
+            for index, request in list(requests.items()):
+                if isinstance(request, Finished):
+                    results[index] = request.result
+                    del requests[index]
+                else:
+                    requests[index] = send(index, decide(index, request.view))
     return results

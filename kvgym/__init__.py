@@ -5,6 +5,7 @@ from gymnasium.envs.registration import register
 register(
     id="kvgym/KVCache-v1",  # the live cache on the ranking action (kvgym.envs.kvcache)
     entry_point="kvgym.envs.kvcache:KVCacheEnv",
+    vector_entry_point="kvgym.envs.kvcache:KVCacheVectorEnv",  # gym.make_vec(..., vectorization_mode="vector_entry_point")
     max_episode_steps=4096,
 )
 

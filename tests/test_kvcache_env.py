@@ -185,3 +185,64 @@ def test_bad_actions_and_calls_out_of_order_are_refused(tiny_model):
     with pytest.raises(ValueError, match="reset options"):
         env.reset(options={"temperature": 1})
     env.close()
+
+
+def test_the_vector_env_steps_episodes_as_they_step_alone_with_batched_forwards(tiny_model, monkeypatch):
+    """Three episodes (other samples, lengths, budgets) in ``KVCacheVectorEnv`` against the same three in
+    ``KVCacheEnv``, one by one, with the same deterministic policy: the same observations, rewards and ends (to float
+    rounding); the forwards went through the model batched; an ended episode starts again on the next step."""
+    import cache.batched
+    from kvgym.envs.kvcache import KVCacheVectorEnv
+
+    rows = []
+    real = cache.batched.batched_forward
+    monkeypatch.setattr(cache.batched, "batched_forward",
+                        lambda model, caches, ids: rows.append(len(caches)) or real(model, caches, ids))
+    column = RANK_FEATURES.index("last_query_mean_rank")
+
+    def policy(observation):  # keep the blocks the latest query attended most
+        action = np.zeros(observation["blocks"].shape[:-1] + (2,), np.float32)
+        action[..., 0] = squash(observation["blocks"][..., column] * 4 - 2)
+        action[..., 1] = -1.0
+        return action
+
+    options = [{"length": 160, "budget": 0.4, "sample_seed": 3}, {"length": 200, "budget": 0.5, "sample_seed": 4},
+               {"length": 160, "budget": 0.3, "sample_seed": 5}]
+    settings = dict(model=tiny_model, tokenizer=ByteTokenizer(), tasks=("toy_recall",), lengths=(160, 200),
+                    block_size=8, prefill_chunk=32, decide_every=2, max_tokens=320, host_blocks=8)
+    alone = []
+    for option in options:
+        env = make(tiny_model, host_blocks=8)
+        observation, _ = env.reset(seed=0, options=option)
+        episode = [(observation, 0.0, False)]
+        done = False
+        while not done:
+            observation, reward, done, _, _ = env.step(policy(observation))
+            episode.append((observation, reward, done))
+        alone.append(episode)
+    vector = gym.make_vec("kvgym/KVCache-v1", num_envs=3, vectorization_mode="vector_entry_point", **settings)
+    assert isinstance(vector.unwrapped, KVCacheVectorEnv)
+    observations, _ = vector.reset(seed=0, options=options)
+    steps = max(len(episode) for episode in alone)
+    restarted = set()
+    rewards, terminations, infos = np.zeros(3), np.zeros(3, bool), {}  # step 0 (the reset) checks observations only
+    for step in range(steps):
+        for index, episode in enumerate(alone):
+            if step < len(episode):
+                observation, reward, done = episode[step]
+                got = {key: value[index] for key, value in observations.items()}
+                assert all(np.allclose(got[key], observation[key], atol=1e-4) for key in observation), (index, step)
+                if step:
+                    assert rewards[index] == pytest.approx(reward, abs=1e-4) and terminations[index] == done
+            elif step == len(episode):  # the step after its end: it started again (next-step autoreset)
+                assert rewards[index] == 0.0 and not terminations[index] and infos["_task"][index]
+                restarted.add(index)
+        if step == steps - 1:
+            break
+        actions = np.stack([policy({key: value[i] for key, value in observations.items()}) for i in range(3)])
+        observations, rewards, terminations, truncations, infos = vector.step(actions)
+        assert not truncations.any()
+    assert rows and max(rows) == 3  # the three runs shared forwards
+    assert not np.allclose(alone[0][1][0]["blocks"], alone[2][1][0]["blocks"])  # the episodes differ: a swap shows
+    assert restarted == {i for i, episode in enumerate(alone) if len(episode) < steps} != set()
+    vector.close()

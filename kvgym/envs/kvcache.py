@@ -22,16 +22,17 @@ stays dropped, a block it moves costs bytes, what it keeps for one turn is what 
   per MB moved between tiers in the step (one number for every tier pair, or one per pair: ``bandwidth_costs``
   derives them from a stated PCIe / disk bandwidth model); at the end, plus the task score (the mean over turns).
 
-The run itself is ``cache.runner.Runner``, unchanged: it runs in a worker thread whose controller hands each
-decision point to ``step`` and waits for the action, so the env follows every protocol exactly as ``kvgym eval``
-runs it. The full cache's run of each sample (the reference of the KL) is made once and kept for a few samples.
+The run itself is ``cache.runner.Runner``'s generator (``Runner.steps``) with the controller ``EXTERNAL``: it
+yields each forward it needs and each decision point, and the env answers the forwards and hands the decision
+points to the agent, so the env follows every protocol exactly as ``kvgym eval`` runs it. ``KVCacheVectorEnv``
+(``gym.make_vec("kvgym/KVCache-v1", num_envs=N)``) steps N such episodes on one model, their forwards batched
+(``cache.runner.serve_forwards``). The full cache's run of each sample (the reference of the KL) is made once and
+kept for a few samples.
 """
 
 from __future__ import annotations
 
 import math
-import queue
-import threading
 from collections import OrderedDict
 
 import gymnasium as gym
@@ -43,7 +44,17 @@ from cache.controller import PHASES, CacheView
 from cache.models import model_with_tokenizer
 from cache.paged_cache import CacheConfig
 from cache.ranking import NUM_RANK_FEATURES, RANK_FEATURES, keep_top, policy_features
-from cache.runner import BUDGET_SCOPES, PROTOCOLS, Runner
+from cache.runner import (
+    BUDGET_SCOPES,
+    EXTERNAL,
+    PROTOCOLS,
+    Decide,
+    Finished,
+    Forward,
+    Runner,
+    forward_one,
+    send_to,
+)
 from cache.sentences import sentence_end_token_ids
 from cache.tiers import Tier
 
@@ -114,25 +125,6 @@ def _mb_moved(cache, cost: dict[str, float]) -> tuple[float, float]:
     return sum(mb.values()), sum(cost.get(pair, 0.0) * value for pair, value in mb.items())
 
 
-class _Abort(Exception):
-    """Raised in the worker thread to end a run the env no longer wants."""
-
-
-class _Bridge:
-    """The runner's controller: posts each decision point to the env and applies the action it gets back."""
-
-    def __init__(self, to_env: queue.Queue, to_runner: queue.Queue):
-        self.to_env, self.to_runner = to_env, to_runner
-
-    def decide(self, view: CacheView):
-        self.to_env.put(("decide", view))
-        action = self.to_runner.get()
-        if action is None:
-            raise _Abort
-        n = view.num_blocks
-        return keep_top(view, action[:, :n, 0], action[:, :n, 1])
-
-
 class KVCacheEnv(gym.Env):
     """See the module docstring."""
 
@@ -181,7 +173,7 @@ class KVCacheEnv(gym.Env):
         # the vocabulary scan for sentence ends (a view feature), once (a tokenizer without a vocabulary: none)
         self._sentence_end_ids = sentence_end_token_ids(tokenizer) if hasattr(tokenizer, "get_vocab") else None
         self._references: OrderedDict = OrderedDict()
-        self._worker: threading.Thread | None = None
+        self._steps = None  # the running episode's generator (Runner.steps); None between episodes
         self._view: CacheView | None = None
         self.last_result = None  # the last finished episode's RunResult (text, bytes moved per tier pair, ...)
 
@@ -225,20 +217,28 @@ class KVCacheEnv(gym.Env):
             self._agrees = False
         answer.append(int(token))
 
-    def _run(self, runner: Runner, prompt, max_new_tokens: int) -> None:
+    def _send(self, value):
+        """The run's next request after ``value`` (None: its start): a ``Forward``, a ``Decide`` or ``Finished``."""
         try:
-            result = runner.run(prompt, max_new_tokens=max_new_tokens, on_token=self._on_token)
-            self._to_env.put(("done", result))
-        except _Abort:
-            pass
-        except Exception as error:  # noqa: BLE001  (handed to the env thread, which raises it)
-            self._to_env.put(("error", error))
+            return send_to(self._steps, value)
+        except Exception:
+            self._steps = None
+            raise
+
+    def _advance(self, value):
+        """Send ``value``, answer the run's forwards one by one, return its next ``Decide`` or ``Finished``."""
+        request = self._send(value)
+        while isinstance(request, Forward):
+            request = self._send(forward_one(*request))
+        return request
 
     def _stop(self) -> None:
-        if self._worker is not None and self._worker.is_alive():
-            self._to_runner.put(None)
-            self._worker.join()
-        self._worker = None
+        """Abandon the running episode (a reset before it ended, or close)."""
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+            if self._view is not None:
+                self._view.cache.close()
 
     def _observation(self, view: CacheView) -> dict:
         n = view.num_blocks
@@ -260,19 +260,19 @@ class KVCacheEnv(gym.Env):
         glob = np.array([*phase, float(view.question_read), progress, self._budget, moved], np.float32)
         return {"blocks": blocks, "mask": mask, "layers": layers, "globals": glob}
 
-    def _next(self) -> tuple[str, object]:
-        kind, payload = self._to_env.get()
-        if kind == "error":
-            self._worker = None
-            raise payload
-        return kind, payload
-
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        info = self._start(options)
+        return self._first(self._advance(None), info), info
+
+    def _start(self, options: dict | None) -> dict:
+        """Draw the episode's sample (``options`` as ``reset``'s), make its reference, and start its run (nothing
+        is fed yet); returns the reset info."""
         from eval.tasks.prompt import build_prompt
 
-        super().reset(seed=seed)
         self._stop()
+        self._view = None
         options = dict(options or {})
         unknown = sorted(set(options) - {"task", "length", "budget", "sample_seed", "index"})
         if unknown:
@@ -298,38 +298,47 @@ class KVCacheEnv(gym.Env):
         self._ref = self._reference((task, length, sample_seed, index, self.chat), prompt, max_new)
         self._answer, self._agrees, self._pending_kl, self._kl_positions = {}, True, 0.0, 0
         self._moved_mb = self._moved_cost = 0.0
-        self._to_env, self._to_runner = queue.Queue(), queue.Queue()
-        runner = self._runner(_Bridge(self._to_env, self._to_runner), budget)
-        self._worker = threading.Thread(target=self._run, args=(runner, prompt, max_new), daemon=True)
-        self._worker.start()
-        kind, payload = self._next()
-        if kind != "decide":
-            raise RuntimeError(f"sample {task}/{length}/{sample_seed} ran without a decision point at budget {budget}")
-        self._view = payload
-        info = {"task": task, "length": length, "budget": budget, "sample_seed": sample_seed, "index": index,
+        self._steps = self._runner(EXTERNAL, budget).steps(prompt, max_new_tokens=max_new, on_token=self._on_token)
+        return {"task": task, "length": length, "budget": budget, "sample_seed": sample_seed, "index": index,
                 "prompt_tokens": len(prompt.ids), "turns": turns}
-        return self._observation(payload), info
 
-    def step(self, action):
-        if self._worker is None:
+    def _first(self, request, info: dict) -> dict:
+        """The first observation of an episode whose run reached ``request``."""
+        if not isinstance(request, Decide):
+            self._steps = None
+            raise RuntimeError(f"sample {info['task']}/{info['length']}/{info['sample_seed']} ran without a decision "
+                               f"point at budget {info['budget']}")
+        self._view = request.view
+        return self._observation(request.view)
+
+    def _placement(self, action):
+        """The action as the decision the run applies (``keep_top`` on the current view)."""
+        if self._steps is None:
             raise gym.error.ResetNeeded("step() before reset() or after the episode ended: call reset()")
         action = checked_action(action, self.action_space)
         self._pending_kl = 0.0
-        self._to_runner.put(action)
-        kind, payload = self._next()
-        moved, cost = _mb_moved(payload.cache, self.transfer_cost)  # a view's or the run's cache
+        n = self._view.num_blocks
+        return keep_top(self._view, action[:, :n, 0], action[:, :n, 1])
+
+    def step(self, action):
+        return self._outcome(self._advance(self._placement(action)))
+
+    def _outcome(self, request):
+        """``step``'s return once the run reached ``request`` (its next ``Decide``, or ``Finished``)."""
+        result = request.result if isinstance(request, Finished) else None
+        moved, cost = _mb_moved((request.view if result is None else result).cache, self.transfer_cost)
         step_mb, step_cost = moved - self._moved_mb, cost - self._moved_cost
         self._moved_mb, self._moved_cost = moved, cost
         reward = -self.kl_weight * self._pending_kl - step_cost
         info = {"kl": self._pending_kl, "mb_moved": step_mb, "transfer_cost": step_cost}
-        if kind == "decide":
-            self._view = payload
-            return self._observation(payload), float(reward), False, False, info
-        self._worker = None
-        payload.cache.close()  # the run's cache is done with; its byte counts stay in payload.bytes_moved
-        payload.cache, self.last_result = None, payload
-        score = self._score(payload)
-        info.update(score=score, text=payload.text, fallbacks=payload.fallbacks, decisions=payload.decisions,
+        if result is None:
+            self._view = request.view
+            return self._observation(request.view), float(reward), False, False, info
+        self._steps = None
+        result.cache.close()  # the run's cache is done with; its byte counts stay in result.bytes_moved
+        result.cache, self.last_result = None, result
+        score = self._score(result)
+        info.update(score=score, text=result.text, fallbacks=result.fallbacks, decisions=result.decisions,
                     kl_positions=self._kl_positions)
         return self._observation(self._view), float(reward + score), True, False, info
 
@@ -356,3 +365,98 @@ class KVCacheEnv(gym.Env):
     def close(self):
         self._stop()
         super().close()
+
+
+class KVCacheVectorEnv(gym.vector.VectorEnv):
+    """``num_envs`` ``KVCacheEnv`` episodes on one model, stepped together: at each step every episode's run goes to
+    its next decision point, and the forwards they need on the way go through the model in batches (those of the
+    same length in one batched forward: ``cache.runner.serve_forwards``). Each sub-episode sees, does and earns what
+    it would alone (to float rounding). Episodes reset themselves on the step after they end (gymnasium's
+    next-step autoreset: that step's action for them is ignored). ``gym.make_vec("kvgym/KVCache-v1", num_envs=N,
+    vectorization_mode="vector_entry_point", **env_kwargs)`` makes one."""
+
+    metadata = {"autoreset_mode": gym.vector.AutoresetMode.NEXT_STEP, "render_modes": []}
+
+    def __init__(self, num_envs: int = 2, model="smollm2-135m", tokenizer=None, max_episode_steps: int | None = None,
+                 **env_kwargs):
+        if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
+            raise ValueError(f"num_envs {num_envs!r}: must be a positive integer")
+        self.max_episode_steps = max_episode_steps  # an episode that reaches it is truncated (the registration's)
+        model, tokenizer = model_with_tokenizer(model, tokenizer)
+        self.envs = [KVCacheEnv(model, tokenizer, **env_kwargs) for _ in range(num_envs)]
+        self.num_envs = num_envs
+        self.single_observation_space = self.envs[0].observation_space
+        self.single_action_space = self.envs[0].action_space
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+        self._ended = np.zeros(num_envs, bool)
+        self._lengths = np.zeros(num_envs, int)
+        self._started = False
+
+    def _run_to_decisions(self, sends: dict[int, object]) -> dict[int, object]:
+        """Send each episode its value (None: its start) and serve every forward, batched, until each episode is
+        at its next ``Decide`` or ``Finished``."""
+        from cache.runner import serve_forwards
+
+        requests = {index: self.envs[index]._send(value) for index, value in sends.items()}
+        return serve_forwards(requests, lambda index, logits: self.envs[index]._send(logits))
+
+    def _options(self, options, index):
+        return options[index] if isinstance(options, (list, tuple)) else options
+
+    def reset(self, *, seed: int | list[int] | None = None, options: dict | list[dict] | None = None):
+        seeds = seed if isinstance(seed, (list, tuple)) else [None if seed is None else seed + i
+                                                               for i in range(self.num_envs)]
+        infos, starts = {}, {}
+        for index, env in enumerate(self.envs):
+            gym.Env.reset(env, seed=seeds[index])
+            starts[index] = env._start(self._options(options, index))
+        requests = self._run_to_decisions(dict.fromkeys(range(self.num_envs)))
+        observations = []
+        for index, env in enumerate(self.envs):
+            observations.append(env._first(requests[index], starts[index]))
+            infos = self._add_info(infos, starts[index], index)
+        self._ended[:] = False
+        self._lengths[:] = 0
+        self._started = True
+        return self._stack(observations), infos
+
+    def step(self, actions):
+        if not self._started:
+            raise gym.error.ResetNeeded("step() before reset(): call reset() first")
+        actions = np.asarray(actions, np.float32)
+        if actions.shape != self.action_space.shape:
+            raise ValueError(f"actions: expected shape {self.action_space.shape} (num_envs, ...), got {actions.shape}")
+        sends, fresh = {}, {}
+        for index, env in enumerate(self.envs):
+            if self._ended[index]:  # next-step autoreset: the episode starts again, the action is ignored
+                fresh[index] = env._start(None)
+                sends[index] = None
+                self._lengths[index] = 0
+            else:
+                sends[index] = env._placement(actions[index])
+                self._lengths[index] += 1
+        requests = self._run_to_decisions(sends)
+        observations, infos = [], {}
+        rewards = np.zeros(self.num_envs)
+        terminations = np.zeros(self.num_envs, bool)
+        for index, env in enumerate(self.envs):
+            if index in fresh:
+                observations.append(env._first(requests[index], fresh[index]))
+                info = fresh[index]
+            else:
+                observation, rewards[index], terminations[index], _, info = env._outcome(requests[index])
+                observations.append(observation)
+            infos = self._add_info(infos, info, index)
+        truncations = ~terminations & (self._lengths >= (self.max_episode_steps or np.inf))
+        for index in np.flatnonzero(truncations):
+            self.envs[index]._stop()
+        self._ended = terminations | truncations
+        return self._stack(observations), rewards, terminations, truncations, infos
+
+    def _stack(self, observations: list[dict]) -> dict:
+        return {key: np.stack([o[key] for o in observations]) for key in self.single_observation_space.spaces}
+
+    def close_extras(self, **kwargs):
+        for env in self.envs:
+            env.close()
