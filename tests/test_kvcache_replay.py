@@ -38,7 +38,7 @@ def first_mismatch(live, replay, task, action) -> int | None:
     replay.reset(options={"episode": 0, "budget": 0.3})
     steps, done = 0, False
     while not done:
-        _, _, done, _, live_info = live.step(action)
+        live_obs, _, done, _, live_info = live.step(action)
         replay_obs, reward, replay_done, _, replay_info = replay.step(action)
         steps += 1
         assert reward == pytest.approx(-replay_info["lost_mass"] - replay_info["transfer_cost"])
@@ -48,23 +48,31 @@ def first_mismatch(live, replay, task, action) -> int | None:
             n = live._view.num_blocks
             device = replay_obs["blocks"][:, :n, TIER_COLUMNS[0]] > 0
             if not (np.array_equal(replay._tier[:, :n], live._view.tier.numpy())
-                    and np.array_equal(device, live._view.tier.numpy() == Tier.DEVICE)):
+                    and np.array_equal(device, live._view.tier.numpy() == Tier.DEVICE)
+                    and np.allclose(replay_obs["layers"], live_obs["layers"])):  # pressure, budget, tier shares
                 return steps
     return None
 
 
-@pytest.mark.parametrize("task, protocol", [("toy_recall", "streaming"), ("fake_turns", "multiturn")])
-def test_replay_leaves_the_tiers_and_bytes_the_live_env_leaves(tiny_model, task, protocol):
-    live = make(tiny_model, tasks=(task,), protocol=protocol, host_blocks=6)
+@pytest.mark.parametrize("task, protocol, scope", [("toy_recall", "streaming", "layer"), ("fake_turns", "multiturn", "layer"),
+                                                   ("toy_recall", "streaming", "global")])
+def test_replay_leaves_the_tiers_and_bytes_the_live_env_leaves(tiny_model, task, protocol, scope):
+    """Both budget scopes: per layer, and one budget for the whole model (the scores decide each layer's share)."""
+    live = make(tiny_model, tasks=(task,), protocol=protocol, host_blocks=6, budget_scope=scope)
     episode = recorded(tiny_model, task, 200, 5, protocol)
-    replay = KVCacheReplayEnv([episode], host_blocks=6, transfer_cost=0.5, max_tokens=live.max_tokens)
+    replay = KVCacheReplayEnv([episode], host_blocks=6, transfer_cost=0.5, max_tokens=live.max_tokens,
+                              budget_scope=scope)
     assert replay.observation_space == live.observation_space and replay.action_space == live.action_space
     action = fixed_scores(live.action_space.shape[:2])
     assert first_mismatch(live, replay, task, action) is None
     assert len(episode["features"]) >= 5
     # negative control: a replay with a smaller host tier than the live cache's drops what the live one keeps
-    small = KVCacheReplayEnv([episode], host_blocks=1, transfer_cost=0.5, max_tokens=live.max_tokens)
+    small = KVCacheReplayEnv([episode], host_blocks=1, transfer_cost=0.5, max_tokens=live.max_tokens,
+                             budget_scope=scope)
     assert first_mismatch(live, small, task, action) is not None
+    other = KVCacheReplayEnv([episode], host_blocks=6, transfer_cost=0.5, max_tokens=live.max_tokens,
+                             budget_scope="layer" if scope == "global" else "global")
+    assert first_mismatch(live, other, task, action) is not None  # and the other scope's replay is told apart
     live.close()
 
 
@@ -117,6 +125,7 @@ def test_the_future_mass_rewards_the_blocks_the_run_attends(tiny_model):
     (lambda ep: KVCacheReplayEnv([ep]).reset(options={"episode": 3}), "holds 1 episodes"),
     (lambda ep: KVCacheReplayEnv([ep]).reset(options={"task": "x"}), "the options are"),
     (lambda ep: KVCacheReplayEnv([ep], max_tokens=16), "max_tokens 16"),
+    (lambda ep: KVCacheReplayEnv([ep], budget_scope="model"), "budget_scope 'model'"),
 ])
 def test_bad_input_is_refused_with_its_name(tiny_model, call, message):
     with pytest.raises(ValueError, match=message):

@@ -16,7 +16,9 @@ to its budget; a block that falls out goes to the host tier while it has room, e
 good); a host block that rises in is prefetched. New blocks arrive on the device. The observation is the
 recorded features with what the replay's state decides written over them (valid, tier, layer pressure and
 budget; the latest forward's attention, which a live cache sees for resident blocks only: zero for the others, the
-residents' shares renormalised and ranked again; ``layers`` and ``globals`` as the live env computes them). The
+residents' shares renormalised and ranked again; ``layers`` and ``globals`` as the live env computes them).
+``budget_scope="global"``: only the total over layers holds, as in the live env (the highest scores over all layers
+stay; a layer's budget column is the allocation the last decision left it). The
 accumulated attention and the key features stay the full cache's: the approximation
 ``benchmarks/replay_fidelity_v1.py`` measures against live returns. Reward per step: minus ``mass_weight`` times the share of the future mass that falls on blocks off the
 device until the next decision point (mean over layers), minus ``transfer_cost`` per MB moved, per tier pair as
@@ -42,7 +44,7 @@ from cache.ranking import (
     top_b,
     within_layer_rank,
 )
-from cache.runner import Runner
+from cache.runner import BUDGET_SCOPES, Runner
 from cache.tiers import Tier
 from kvgym.envs.kvcache import checked_action, spaces_of, transfer_costs
 
@@ -199,7 +201,10 @@ class KVCacheReplayEnv(gym.Env):
     metadata = {"render_modes": []}
 
     def __init__(self, episodes, budget_range=(0.125, 0.5), host_blocks: int = 0, transfer_cost: float | dict = 0.0,
-                 mass_weight: float = 1.0, max_tokens: int | None = None):
+                 mass_weight: float = 1.0, max_tokens: int | None = None, budget_scope: str = "layer"):
+        if budget_scope not in BUDGET_SCOPES:
+            raise ValueError(f"budget_scope {budget_scope!r}: choose one of {', '.join(BUDGET_SCOPES)}")
+        self.budget_scope = budget_scope
         self.episodes = load_episodes(episodes)
         low, high = budget_range
         if not 0.0 < low <= high <= 1.0:
@@ -241,6 +246,9 @@ class KVCacheReplayEnv(gym.Env):
         self._budget = budget
         blocks = math.ceil(budget * episode["context_tokens"] / self.block_size)
         self._budget_blocks = max(blocks, episode["sink_blocks"] + 1)
+        # each layer's budget: the same for all, or under a global budget the allocation the last decision left (the
+        # live runner's: each layer's device blocks after a decision that kept the total)
+        self._allocation = np.full(self.num_layers, self._budget_blocks)
         self._tier = np.full((self.num_layers, self.max_blocks), NOT_YET, np.int8)
         self._point, self._moved_mb = 0, 0.0
         self._arrive()
@@ -288,7 +296,11 @@ class KVCacheReplayEnv(gym.Env):
         live = tier != DROPPED
         candidates = live & ~pinned
         keyed = np.where(candidates, scores[:, :n].astype(np.float64), -np.inf)
-        chosen = top_b(keyed, candidates, self._budget_blocks - (pinned & live).sum(axis=1))
+        if self.budget_scope == "layer":
+            chosen = top_b(keyed, candidates, self._budget_blocks - (pinned & live).sum(axis=1))
+        else:  # the highest scores over all layers up to the total: the scores decide each layer's share
+            room = self.num_layers * self._budget_blocks - int((pinned & live).sum())
+            chosen = top_b(keyed.reshape(1, -1), candidates.reshape(1, -1), np.array([room])).reshape(keyed.shape)
         leaving = (tier == DEVICE) & candidates & ~chosen
         arriving = chosen & (tier == HOST)
         merged = leaving & (merge[:, :n] > 0)
@@ -298,6 +310,8 @@ class KVCacheReplayEnv(gym.Env):
         to_host = evicted & (np.cumsum(evicted, axis=1) <= host_free[:, None])
         tier[to_host] = HOST
         tier[leaving & ~to_host] = DROPPED
+        if self.budget_scope == "global":
+            self._allocation = (tier == DEVICE).sum(axis=1)
         return {"host->device": int(arriving.sum()), "device->host": int(to_host.sum())}
 
     def _lost_share(self, future: np.ndarray) -> float:
@@ -331,11 +345,12 @@ class KVCacheReplayEnv(gym.Env):
             logs = np.log(shares / np.where(total > 0, total, 1.0) * n + 1e-4)
             blocks[:, :n, SHARE_COLUMNS] = np.moveaxis(np.where(valid, logs, np.log(1e-4)), 0, -1)
             blocks[:, :n, RANK_COLUMNS] = np.moveaxis(within_layer_rank(shares, valid), 0, -1)
-        blocks[:, :n, PRESSURE_COLUMN] = (device / self._budget_blocks)[:, None]
-        blocks[:, :n, BUDGET_COLUMN] = self._budget_blocks / max(n, 1)
+        allocation = self._allocation
+        blocks[:, :n, PRESSURE_COLUMN] = (device / np.maximum(allocation, 1))[:, None]
+        blocks[:, :n, BUDGET_COLUMN] = (allocation / max(n, 1))[:, None]
         mask = np.zeros(self.observation_space["mask"].shape, np.float32)
         mask[:, :n] = valid
-        layers = np.stack([device / self._budget_blocks, np.full(self.num_layers, self._budget_blocks) / existing,
+        layers = np.stack([device / np.maximum(allocation, 1), allocation / existing,
                            *[where.sum(axis=1) / existing for where in on]], axis=1).astype(np.float32)
         glob = np.array([*[float(episode["phases"][point] == p) for p in PHASES], float(episode["question_read"][point]),
                          episode["seen"][point] / max(episode["total_tokens"], 1), self._budget, self._moved_mb],
