@@ -356,7 +356,8 @@ def bench_roofline(model, tokenizer, text: str, contexts: list[int], budget: flo
             measured[name] = (forward_ms, floor_ms)
             row = {"context": context, "cache": name, "ms_per_token": round(forward_ms, 2), "read_gbps": gbps,
                    "weight_bytes": weights, "kv_bytes": int(kv), "floor_bytes": int(weights + kv),
-                   "floor_ms": round(floor_ms, 2), "roofline_fraction": round(floor_ms / forward_ms, 3),
+                   "floor_ms": round(floor_ms, 2),
+                   "roofline_fraction": float(f"{floor_ms / forward_ms:.3g}"),  # 3 significant digits: never 0
                    "matvec_ms": matvec_ms, "matvec_fraction": round(matvec_ms / forward_ms, 3)}
             if name == "budgeted":
                 row["budget"], row["budget_blocks_per_layer"] = budget, budget_list[0]
