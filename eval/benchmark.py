@@ -2,7 +2,7 @@
 
 In the one-shot protocols every run of a sample starts from the same dense prefill; the harness computes it
 once and hands each run a copy (``PagedKVCache.clone``). With ``batch_runs`` a sample's runs then go in lockstep,
-their forwards batched (``cache.runner.run_batched``). The benchmark runs one grid side by side in one process,
+their forwards batched (``cache.driving.run_batched``). The benchmark runs one grid side by side in one process,
 into fresh folders: ``per_run`` (every run prefills: how the harness first worked; one-shot protocols only),
 ``shared`` and ``shared_batched``, and reports runs per hour, the speed-ups, and whether the settings produced the
 same answers (sharing must not change them; batching only to float rounding).

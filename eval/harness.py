@@ -178,8 +178,8 @@ class _Context:
         return result
 
     def run_together(self, runs, prompt, sample, forced):
-        """``run`` for several ``(controller, budget)`` at once: their forwards batched (``cache.runner.run_batched``)."""
-        from cache.runner import run_batched
+        """``run`` for several ``(controller, budget)`` at once: their forwards batched (``cache.driving.run_batched``)."""
+        from cache.driving import run_batched
 
         steps = [self.runner(controller, budget).steps(prompt, max_new_tokens=sample.max_new_tokens, keep_logits=True,
                                                        forced_tokens=forced, shared=self.shared)
@@ -271,7 +271,7 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
     most samples taken from a dataset). ``ray`` (a dict: ``address``, ``workers``, and the ``model`` name,
     ``device`` and ``dtype`` each worker loads; ``eval.ray_eval``) sends each sample's runs to a Ray cluster instead.
     ``batch_runs`` runs a sample's controllers and budgets in lockstep with their forwards batched
-    (``cache.runner.run_batched``: the same answers up to float rounding; time fields are the shared forwards').
+    (``cache.driving.run_batched``: the same answers up to float rounding; time fields are the shared forwards').
     """
     from tqdm import tqdm
 

@@ -1,4 +1,4 @@
-"""Several runs driven together through batched forwards (``cache.runner.run_batched``) give each run what it gives
+"""Several runs driven together through batched forwards (``cache.driving.run_batched``) give each run what it gives
 alone (``Runner.run``): the same tokens, operations and bytes, logits equal to float rounding, in every protocol;
 a run made different on purpose (another budget) is told apart (negative control)."""
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from agents.registry import make_controller
+from cache.driving import run_batched
 from cache.paged_cache import CacheConfig
-from cache.runner import Prompt, Runner, run_batched
+from cache.runner import Prompt, Runner
 
 GENERATOR = torch.Generator().manual_seed(11)
 CONTEXT = torch.randint(2, 250, (180,), generator=GENERATOR).tolist()

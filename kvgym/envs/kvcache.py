@@ -26,7 +26,7 @@ The run itself is ``cache.runner.Runner``'s generator (``Runner.steps``) with th
 yields each forward it needs and each decision point, and the env answers the forwards and hands the decision
 points to the agent, so the env follows every protocol exactly as ``kvgym eval`` runs it. ``KVCacheVectorEnv``
 (``gym.make_vec("kvgym/KVCache-v1", num_envs=N)``) steps N such episodes on one model, their forwards batched
-(``cache.runner.serve_forwards``). The full cache's run of each sample (the reference of the KL) is made once and
+(``cache.driving.serve_forwards``). The full cache's run of each sample (the reference of the KL) is made once and
 kept for a few samples.
 """
 
@@ -41,20 +41,11 @@ import torch
 from gymnasium import spaces
 
 from cache.controller import PHASES, CacheView
+from cache.driving import EXTERNAL, Decide, Finished, Forward, forward_one, send_to
 from cache.models import model_with_tokenizer
 from cache.paged_cache import CacheConfig
 from cache.ranking import NUM_RANK_FEATURES, RANK_FEATURES, keep_top, policy_features
-from cache.runner import (
-    BUDGET_SCOPES,
-    EXTERNAL,
-    PROTOCOLS,
-    Decide,
-    Finished,
-    Forward,
-    Runner,
-    forward_one,
-    send_to,
-)
+from cache.runner import BUDGET_SCOPES, PROTOCOLS, Runner
 from cache.sentences import sentence_end_token_ids
 from cache.tiers import Tier
 
@@ -370,7 +361,7 @@ class KVCacheEnv(gym.Env):
 class KVCacheVectorEnv(gym.vector.VectorEnv):
     """``num_envs`` ``KVCacheEnv`` episodes on one model, stepped together: at each step every episode's run goes to
     its next decision point, and the forwards they need on the way go through the model in batches (those of the
-    same length in one batched forward: ``cache.runner.serve_forwards``). Each sub-episode sees, does and earns what
+    same length in one batched forward: ``cache.driving.serve_forwards``). Each sub-episode sees, does and earns what
     it would alone (to float rounding). Episodes reset themselves on the step after they end (gymnasium's
     next-step autoreset: that step's action for them is ignored). ``gym.make_vec("kvgym/KVCache-v1", num_envs=N,
     vectorization_mode="vector_entry_point", **env_kwargs)`` makes one."""
@@ -396,7 +387,7 @@ class KVCacheVectorEnv(gym.vector.VectorEnv):
     def _run_to_decisions(self, sends: dict[int, object]) -> dict[int, object]:
         """Send each episode its value (None: its start) and serve every forward, batched, until each episode is
         at its next ``Decide`` or ``Finished``."""
-        from cache.runner import serve_forwards
+        from cache.driving import serve_forwards
 
         requests = {index: self.envs[index]._send(value) for index, value in sends.items()}
         return serve_forwards(requests, lambda index, logits: self.envs[index]._send(logits))
