@@ -73,7 +73,8 @@ def send_to(steps, value, index=None):
     """``value`` sent into a run's generator (None: its start): its next request, or ``Finished``. An error the run
     raises carries ``index`` as ``run_index``."""
     try:
-        return steps.send(value)
+        with torch.no_grad():  # the run's own work between requests (decisions: KVzip's forwards) needs no graph
+            return steps.send(value)
     except StopIteration as stop:
         return Finished(stop.value)
     except Exception as error:

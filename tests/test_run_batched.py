@@ -66,3 +66,27 @@ def test_a_bad_run_stops_the_batch_and_names_its_position(tiny_model):
     with pytest.raises(ValueError, match="forced_tokens") as caught:
         run_batched([good.steps(Prompt(CONTEXT)), bad.steps(Prompt(CONTEXT), forced_tokens=[])])
     assert caught.value.run_index == 1
+
+
+def test_decisions_run_without_autograd_in_every_driver(tiny_model):
+    """A controller's own forwards (KVzip's reconstruction) must not build graphs: the drivers resume a run's
+    generator under ``no_grad``, its first step (a one-shot compression, before any forward is asked) included."""
+    from cache.driving import drive
+
+    seen = []
+
+    class Probe:
+        def decide(self, view):
+            seen.append(torch.is_grad_enabled())
+            return []
+
+    prompt = Prompt(CONTEXT + QUESTION, context_end=len(CONTEXT))
+    shared = Runner(tiny_model, None, CacheConfig(), protocol="oneshot-question").dense_prefill(prompt, 4)
+
+    def steps():
+        runner = Runner(tiny_model, None, CacheConfig(), controller=Probe(), budget=0.5, protocol="oneshot-question")
+        return runner.steps(prompt, 4, shared=shared)
+
+    run_batched([steps(), steps()])
+    drive(steps())
+    assert seen and not any(seen)
