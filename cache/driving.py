@@ -51,17 +51,9 @@ def forward_one(model, cache: PagedKVCache, ids: list[int]) -> torch.Tensor:
 
 
 def drive(steps, decide=None):
-    """Run a generator of forwards (``Runner.steps``, ``Runner._forward``) one forward at a time; its return value.
-    ``decide(view)`` answers its ``Decide`` requests (controller ``EXTERNAL``)."""
-    decide = decide or _no_decider
-    with torch.no_grad():
-        try:
-            request = next(steps)
-            while True:
-                answer = forward_one(*request) if isinstance(request, Forward) else decide(request.view)
-                request = steps.send(answer)
-        except StopIteration as stop:
-            return stop.value
+    """Run one generator of forwards (``Runner.steps``, ``Runner._forward``), a forward at a time; its return
+    value. ``decide(view)`` answers its ``Decide`` requests (controller ``EXTERNAL``). ``run_batched`` with one run."""
+    return run_batched([steps], None if decide is None else lambda _, view: decide(view))[0]
 
 
 class Finished(NamedTuple):

@@ -48,22 +48,25 @@ class Placement:
         """``[L, N]`` offloaded blocks that come back (prefetched)."""
         return self.device & (self.tier != Tier.DEVICE)
 
-    def changed_layers(self) -> list[int]:
-        return np.flatnonzero((self.leaving | self.arriving).any(axis=1)).tolist()
+    def moves(self) -> tuple[list, list, list, list]:
+        """The ``(layer, block)`` pairs in the order they are applied: the prefetches into free device slots, the
+        evictions, the merges, then the prefetches that need the room the evictions free."""
+        leaving, arriving, merging = self.leaving, self.arriving, self.merge & self.leaving
+        first, evictions, later = [], [], []
+        for layer in np.flatnonzero((leaving | arriving).any(axis=1)).tolist():
+            coming = np.flatnonzero(arriving[layer]).tolist()
+            into_free = int(self.free[layer])
+            first += zip(repeat(layer), coming[:into_free])
+            evictions += zip(repeat(layer), np.flatnonzero(leaving[layer] & ~merging[layer]).tolist())
+            later += zip(repeat(layer), coming[into_free:])
+        return first, evictions, [tuple(pair) for pair in np.argwhere(merging).tolist()], later
 
     def decisions(self) -> list[Decision]:
         """The same operations as ``Decision``s, in the order ``apply_placement`` performs them."""
-        leaving, arriving, merging = self.leaving, self.arriving, self.merge & self.leaving
-        first, evictions, merges, last = [], [], [], []
-        for layer in self.changed_layers():
-            coming = np.flatnonzero(arriving[layer]).tolist()
-            into_free = int(self.free[layer])
-            first += map(Decision, repeat(layer), coming[:into_free], repeat(Op.PREFETCH))
-            evictions += map(Decision, repeat(layer), np.flatnonzero(leaving[layer] & ~merging[layer]).tolist(),
-                             repeat(Op.EVICT))
-            merges += map(Decision, repeat(layer), np.flatnonzero(merging[layer]).tolist(), repeat(Op.MERGE))
-            last += map(Decision, repeat(layer), coming[into_free:], repeat(Op.PREFETCH))
-        return first + evictions + merges + last
+        first, evictions, merges, later = self.moves()
+        return [Decision(layer, block, op) for pairs, op in ((first, Op.PREFETCH), (evictions, Op.EVICT),
+                                                             (merges, Op.MERGE), (later, Op.PREFETCH))
+                for layer, block in pairs]
 
     def __iter__(self):
         return iter(self.decisions())
@@ -101,35 +104,24 @@ def check_placement(cache: PagedKVCache, placement: Placement) -> None:
         layer = int(np.flatnonzero(short)[0])
         raise CacheOperationError(f"placement: layer {layer} brings back {int(arriving[layer].sum())} blocks, but its "
                                   f"device pool has room for {int(free[layer] + leaving[layer].sum())}")
-    merging = placement.merge & leaving
-    if (merging.any(axis=1) & ~placement.device.any(axis=1)).any():
-        layer = int(np.flatnonzero(merging.any(axis=1) & ~placement.device.any(axis=1))[0])
+    nowhere = (placement.merge & leaving).any(axis=1) & ~placement.device.any(axis=1)
+    if nowhere.any():
+        layer = int(np.flatnonzero(nowhere)[0])
         raise CacheOperationError(f"placement: layer {layer} merges blocks but keeps none to merge them into")
 
 
 def apply_placement(cache: PagedKVCache, placement: Placement) -> dict[str, int]:
     """Apply ``placement`` (module docstring: order and checks); returns counts per operation name."""
     check_placement(cache, placement)
-    counts = {op.name.lower(): 0 for op in Op}
-    leaving, arriving, merging = placement.leaving, placement.arriving, placement.merge & placement.leaving
-    layers = placement.changed_layers()
-    later = {}
-    for layer in layers:
-        coming = np.flatnonzero(arriving[layer]).tolist()
-        free = cache.device_pool(layer).allocator.num_free
-        for block in coming[:free]:
-            cache.prefetch(layer, block)
-        later[layer] = coming[free:]
-        for block in np.flatnonzero(leaving[layer] & ~merging[layer]).tolist():
-            cache.evict(layer, block)
-        counts["prefetch"] += len(coming[:free])
-        counts["evict"] += int((leaving[layer] & ~merging[layer]).sum())
-    merges = [(layer, block) for layer, block in np.argwhere(merging).tolist()]
+    first, evictions, merges, later = placement.moves()  # free slots as decided: the tiers checked equal
+    for layer, block in first:
+        cache.prefetch(layer, block)
+    for layer, block in evictions:
+        cache.evict(layer, block)
     if merges:
         cache.merge_blocks(merges)
-        counts["merge"] += len(merges)
-    for layer, coming in later.items():
-        for block in coming:
-            cache.prefetch(layer, block)
-        counts["prefetch"] += len(coming)
+    for layer, block in later:
+        cache.prefetch(layer, block)
+    counts = {op.name.lower(): 0 for op in Op}
+    counts.update(prefetch=len(first) + len(later), evict=len(evictions), merge=len(merges))
     return counts

@@ -176,8 +176,8 @@ def top_b(keyed, candidates, room):
 
 
 def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> Placement:
-    """The ``Placement`` (tensor-form decision) that leaves on each layer's device its pinned blocks plus its highest ``scores`` (``[L, N]``)
-    blocks up to the layer's budget (dropped blocks cannot return); under a global budget (``view.total_budget``)
+    """The ``Placement`` (tensor-form decision) that leaves on each layer's device its pinned blocks plus its
+    highest ``scores`` (``[L, N]``) blocks up to the layer's budget (dropped blocks cannot return); under a global budget (``view.total_budget``)
     the highest scores over all layers up to the total, so the scores decide each layer's share. A device block that falls out is merged
     into its neighbours where ``merge`` (``[L, N]``, optional) is > 0 and merging is legal, else evicted; an
     offloaded block that rises in is prefetched (``cache.placement``: the order they are applied in).
@@ -216,4 +216,5 @@ def keep_top(view: CacheView, scores, merge=None, stay: float = 0.0) -> Placemen
         merging = leaving & (np.asarray(merge, np.float32) > 0)
         if merging.any():  # legality only where the policy asks to merge
             merging &= view.legal_ops[..., Op.MERGE].numpy()
-    return Placement(device=chosen | (pinned & (tier == Tier.DEVICE)), merge=merging, tier=tier, free=view.device_free.numpy())
+    return Placement(device=chosen | (pinned & (tier == Tier.DEVICE)), merge=merging, tier=tier,
+                     free=view.device_free.numpy())

@@ -41,7 +41,7 @@ import torch
 from gymnasium import spaces
 
 from cache.controller import PHASES, CacheView
-from cache.driving import EXTERNAL, Decide, Finished, Forward, forward_one, send_to
+from cache.driving import EXTERNAL, Decide, Finished, send_to, serve_forwards
 from cache.models import model_with_tokenizer
 from cache.paged_cache import CacheConfig
 from cache.ranking import NUM_RANK_FEATURES, RANK_FEATURES, keep_top, policy_features
@@ -217,11 +217,9 @@ class KVCacheEnv(gym.Env):
             raise
 
     def _advance(self, value):
-        """Send ``value``, answer the run's forwards one by one, return its next ``Decide`` or ``Finished``."""
-        request = self._send(value)
-        while isinstance(request, Forward):
-            request = self._send(forward_one(*request))
-        return request
+        """Send ``value``, answer the run's forwards, return its next ``Decide`` or ``Finished`` (the vector env's
+        ``serve_forwards`` with one run)."""
+        return serve_forwards({0: self._send(value)}, lambda _, logits: self._send(logits))[0]
 
     def _stop(self) -> None:
         """Abandon the running episode (a reset before it ended, or close)."""
@@ -387,8 +385,6 @@ class KVCacheVectorEnv(gym.vector.VectorEnv):
     def _run_to_decisions(self, sends: dict[int, object]) -> dict[int, object]:
         """Send each episode its value (None: its start) and serve every forward, batched, until each episode is
         at its next ``Decide`` or ``Finished``."""
-        from cache.driving import serve_forwards
-
         requests = {index: self.envs[index]._send(value) for index, value in sends.items()}
         return serve_forwards(requests, lambda index, logits: self.envs[index]._send(logits))
 
