@@ -15,7 +15,7 @@ from agents.ranker.train import dropped_columns, listwise_loss, plackett_luce_to
 from agents.registry import make_controller
 from cache.controller import CacheView, Decision, Op, page_bounds
 from cache.paged_cache import CacheConfig
-from cache.ranking import RANK_FEATURES, block_features, keep_top, within_layer_rank
+from cache.ranking import RANK_FEATURES, block_features, keep_top, stable_argsort, within_layer_rank
 from cache.runner import Prompt, Runner
 from cache.tiers import Tier
 from kvgym.envs.decisions import (
@@ -61,6 +61,22 @@ def test_ranking_regret_matches_brute_force_and_rejects_a_wrong_ranking():
     assert float(ranking_regret(mass, mass, torch.tensor([2]), everyone)) == 0.0  # the oracle's own ranking
     wrong = float(ranking_regret(-mass, mass, torch.tensor([2]), everyone))  # negative control: the reverse
     assert wrong == pytest.approx((8.0 - 0.5) / 9.5)
+
+
+def test_stable_argsort_is_numpys_stable_order_ties_and_specials_included():
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((6, 4, 40)).astype(np.float32).round(1)  # ties happen
+    values[..., ::5] = 0.0
+    values[..., 1::7] = -0.0  # ties +0.0, as the float comparison says
+    values[..., 2::9] = -np.inf
+    values[..., 3::11] = np.inf
+    values[0, 0, [4, 9, 17]] = np.nan  # NaN last, in index order
+    values[1, 1, 6] = -np.nan
+    want = np.argsort(values, axis=-1, kind="stable")
+    assert np.array_equal(stable_argsort(values), want)
+    assert np.array_equal(stable_argsort(values.astype(np.float64)), want)  # the other dtypes' path
+    # negative control: numpy's unstable sort orders these ties otherwise
+    assert not np.array_equal(np.argsort(values, axis=-1, kind="quicksort"), want)
 
 
 def test_kept_by_ranking_keeps_exactly_the_top_room_candidates():
