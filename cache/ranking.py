@@ -175,8 +175,8 @@ def top_b(keyed, candidates, room):
     one top-b rule: ``keep_top`` and the replay twin call it on numpy arrays (it answers in numpy), training on
     batched torch tensors (``kvgym.envs.reward.kept_by_ranking``); a test holds the two paths equal."""
     if isinstance(keyed, np.ndarray):  # numpy's own sort: no conversions on the replay's hot path
-        masked = np.where(candidates, keyed.astype(np.float64, copy=False), -np.inf)
-        order = np.argsort(-masked, axis=-1, kind="stable")  # best first; ties keep block order
+        masked = np.where(candidates, keyed, -np.inf).astype(np.promote_types(keyed.dtype, np.float32), copy=False)
+        order = stable_argsort(-masked)  # best first; ties keep block order
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.broadcast_to(np.arange(order.shape[-1]), order.shape), axis=-1)
         return candidates & (rank < np.maximum(np.asarray(room), 0)[..., None])

@@ -295,7 +295,7 @@ class KVCacheReplayEnv(gym.Env):
         tier, pinned = self._tier[:, :n], self._pinned(n)
         live = tier != DROPPED
         candidates = live & ~pinned
-        keyed = np.where(candidates, scores[:, :n].astype(np.float64), -np.inf)
+        keyed = np.where(candidates, scores[:, :n], -np.inf)  # float32, the action's: top_b's fast sort
         if self.budget_scope == "layer":
             chosen = top_b(keyed, candidates, self._budget_blocks - (pinned & live).sum(axis=1))
         else:  # the highest scores over all layers up to the total: the scores decide each layer's share
@@ -344,7 +344,8 @@ class KVCacheReplayEnv(gym.Env):
             total = shares.sum(axis=-1, keepdims=True)
             logs = np.log(shares / np.where(total > 0, total, 1.0) * n + 1e-4)
             blocks[:, :n, SHARE_COLUMNS] = np.moveaxis(np.where(valid, logs, np.log(1e-4)), 0, -1)
-            blocks[:, :n, RANK_COLUMNS] = np.moveaxis(within_layer_rank(shares, valid), 0, -1)
+            # ranked as float32, as the live masses are (and by the fast stable sort)
+            blocks[:, :n, RANK_COLUMNS] = np.moveaxis(within_layer_rank(shares.astype(np.float32), valid), 0, -1)
         allocation = self._allocation
         blocks[:, :n, PRESSURE_COLUMN] = (device / np.maximum(allocation, 1))[:, None]
         blocks[:, :n, BUDGET_COLUMN] = (allocation / max(n, 1))[:, None]
