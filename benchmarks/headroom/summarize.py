@@ -1,6 +1,8 @@
 """Issue 40's headroom question per (task, budget) cell of the grid: the full cache, every method, the best baseline
-(KVzip included, and among the baselines of plain-prefill cost) and the gap between the full cache and it. A cell
-counts only where the full cache scores >= --min-full on the same samples.
+(KVzip included, and among the baselines of plain-prefill cost) and the gap between the full cache and it; the
+policy against the cell's best baseline (paired bootstrap, 95%); each method's time to first token and MB moved
+between tiers per generated token beside it (with ``--batch-runs`` a sample's runs prefill together, so their times
+to first token are the batch's). A cell counts only where the full cache scores >= --min-full on the same samples.
 
     python benchmarks/headroom/summarize.py out/headroom_2k_oneshotq --json results/headroom_2k_oneshotq/headroom.json
 """
@@ -10,7 +12,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from eval.report import unique_records
+from eval.report import bootstrap_interval, unique_records
 
 EXTRA_PASSES = ("kvzip",)  # baselines that cost more than a plain prefill (context reconstruction)
 POLICIES = ("ranker",)  # the learned policy is not a baseline
@@ -19,12 +21,15 @@ POLICIES = ("ranker",)  # the learned policy is not a baseline
 def cells(records: list[dict], min_full: float) -> list[dict]:
     """One row per (task, length, budget): accuracies on the samples every method of the cell ran."""
     by_cell, full = defaultdict(lambda: defaultdict(dict)), defaultdict(dict)
+    costs = defaultdict(lambda: defaultdict(list))  # (task, length, budget) -> method -> [(ttft s, MB per token)]
     for record in records:
         if record["controller"] == "full":
             full[record["task"], record["length"]][record["index"]] = record["score"]
         else:
-            by_cell[record["task"], record["length"], record["budget"]][record["controller"]][record["index"]] = \
-                record["score"]
+            cell = record["task"], record["length"], record["budget"]
+            by_cell[cell][record["controller"]][record["index"]] = record["score"]
+            costs[cell][record["controller"]].append((record.get("ttft_ms", 0.0) / 1000,
+                                                       record.get("bytes_moved_per_token", 0.0) / 1e6))
     rows = []
     for (task, length, budget), methods in sorted(by_cell.items()):
         common = set(full[task, length]).intersection(*(set(scores) for scores in methods.values()))
@@ -35,23 +40,41 @@ def cells(records: list[dict], min_full: float) -> list[dict]:
         baselines = {name: value for name, value in mean.items() if not name.startswith(POLICIES)}
         plain = {name: value for name, value in baselines.items() if not name.startswith(EXTRA_PASSES)}
         best, best_plain = max(baselines, key=baselines.get), max(plain, key=plain.get)
+        paired = {}
+        for name in (name for name in methods if name.startswith(POLICIES)):
+            diffs = [methods[name][i] - methods[best][i] for i in sorted(common)]
+            low, high = bootstrap_interval(diffs)
+            paired[name] = {"diff": sum(diffs) / len(diffs), "low": low, "high": high,
+                            "won": sum(d > 0 for d in diffs), "lost": sum(d < 0 for d in diffs)}
+        cost = {name: {"ttft_s": sum(t for t, _ in pairs) / len(pairs), "mb_moved_per_token": sum(m for _, m in pairs) / len(pairs)}
+                for name, pairs in costs[task, length, budget].items()}
         rows.append({"task": task, "length": length, "budget": budget, "compression": round(1 / budget), "n": len(common),
                      "full": full_mean, "counts": full_mean >= min_full, "methods": mean,
                      "best_baseline": best, "gap": full_mean - baselines[best],
-                     "best_plain_baseline": best_plain, "gap_plain": full_mean - plain[best_plain]})
+                     "best_plain_baseline": best_plain, "gap_plain": full_mean - plain[best_plain],
+                     "policy_vs_best": paired, "cost": cost})
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     """The cells as a table; a cell whose full cache is below the bar is marked and does not count."""
-    lines = ["| task | compression | n | full | best baseline | gap | best plain-prefill baseline | gap | policy | counts |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | compression | n | full | best baseline | gap | best plain-prefill baseline | gap | policy | "
+             "policy − best baseline (95%; won / lost) | counts |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         policy = " / ".join(f"{value:.2f}" for name, value in row["methods"].items() if name.startswith(POLICIES))
+        paired = " / ".join(f"{p['diff']:+.2f} ({p['low']:+.2f}..{p['high']:+.2f}; {p['won']} / {p['lost']})"
+                            for p in row.get("policy_vs_best", {}).values())
         lines.append(f"| {row['task']} | {row['compression']}× | {row['n']} | {row['full']:.2f} | "
                      f"{row['best_baseline']} {row['methods'][row['best_baseline']]:.2f} | {row['gap']:+.2f} | "
                      f"{row['best_plain_baseline']} {row['methods'][row['best_plain_baseline']]:.2f} | "
-                     f"{row['gap_plain']:+.2f} | {policy} | {'yes' if row['counts'] else 'no (full below the bar)'} |")
+                     f"{row['gap_plain']:+.2f} | {policy} | {paired} | {'yes' if row['counts'] else 'no (full below the bar)'} |")
+    methods = sorted({name for row in rows for name in row.get("cost", {})})
+    if methods:  # costs over every cell a method ran, each cell weighted alike
+        lines += ["", "| method | time to first token (s) | MB moved per generated token |", "|---|---|---|"]
+        for name in methods:
+            cells_run = [row["cost"][name] for row in rows if name in row.get("cost", {})]
+            lines.append(f"| {name} | {sum(c['ttft_s'] for c in cells_run) / len(cells_run):.1f} | "
+                         f"{sum(c['mb_moved_per_token'] for c in cells_run) / len(cells_run):.2f} |")
     return "\n".join(lines)
 
 
