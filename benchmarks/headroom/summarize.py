@@ -1,8 +1,9 @@
 """Issue 40's headroom question per (task, budget) cell of the grid: the full cache, every method, the best baseline
 (KVzip included, and among the baselines of plain-prefill cost) and the gap between the full cache and it; the
-policy against the cell's best baseline (paired bootstrap, 95%); each method's time to first token and MB moved
-between tiers per generated token beside it (with ``--batch-runs`` a sample's runs prefill together, so their times
-to first token are the batch's). A cell counts only where the full cache scores >= --min-full on the same samples.
+policy against the cell's best baseline (paired bootstrap, 95%); each method's MB moved between tiers per generated
+token beside it, and with ``--ttft`` its time to first token (only for grids run without ``--batch-runs``: batched
+runs advance in lockstep, so their times are not each method's). A cell counts only where the full cache scores
+>= --min-full on the same samples.
 
     python benchmarks/headroom/summarize.py out/headroom_2k_oneshotq --json results/headroom_2k_oneshotq/headroom.json
 """
@@ -56,7 +57,7 @@ def cells(records: list[dict], min_full: float) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], ttft: bool = False) -> str:
     """The cells as a table; a cell whose full cache is below the bar is marked and does not count."""
     lines = ["| task | compression | n | full | best baseline | gap | best plain-prefill baseline | gap | policy | "
              "policy − best baseline (95%; won / lost) | counts |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -70,11 +71,14 @@ def markdown(rows: list[dict]) -> str:
                      f"{row['gap_plain']:+.2f} | {policy} | {paired} | {'yes' if row['counts'] else 'no (full below the bar)'} |")
     methods = sorted({name for row in rows for name in row.get("cost", {})})
     if methods:  # costs over every cell a method ran, each cell weighted alike
-        lines += ["", "| method | time to first token (s) | MB moved per generated token |", "|---|---|---|"]
+        lines += ["", "| method | MB moved per generated token |" + (" time to first token (s) |" if ttft else ""),
+                  "|---|---|" + ("---|" if ttft else "")]
         for name in methods:
             cells_run = [row["cost"][name] for row in rows if name in row.get("cost", {})]
-            lines.append(f"| {name} | {sum(c['ttft_s'] for c in cells_run) / len(cells_run):.1f} | "
-                         f"{sum(c['mb_moved_per_token'] for c in cells_run) / len(cells_run):.2f} |")
+            line = f"| {name} | {sum(c['mb_moved_per_token'] for c in cells_run) / len(cells_run):.2f} |"
+            if ttft:
+                line += f" {sum(c['ttft_s'] for c in cells_run) / len(cells_run):.1f} |"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -83,12 +87,13 @@ def main():
     parser.add_argument("folder", type=Path)
     parser.add_argument("--min-full", type=float, default=0.8)
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--ttft", action="store_true", help="also each method's time to first token (unbatched grids)")
     args = parser.parse_args()
     records = unique_records(args.folder / "samples.jsonl")
     rows = cells(records, args.min_full)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
-    table = markdown(rows)
+    table = markdown(rows, args.ttft)
     args.json.with_suffix(".md").write_text(table + "\n")
     print(table)
 
