@@ -8,7 +8,7 @@ set -euo pipefail
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 TQDM_DISABLE=1
 if [ "${CHAT:-0}" = 1 ]; then PROMPTS="--batch-runs"; SUFFIX=_chat; else PROMPTS="--no-chat"; SUFFIX=; fi
 OUT=${OUT:-out/headroom_2k_streaming$SUFFIX}
-kvgym eval --protocol streaming $PROMPTS --host-blocks 512 --lengths 2048 --n 20 --seed 7 \
+kvgym eval --protocol streaming $PROMPTS --host-blocks 512 --lengths 2048 --n ${N:-20} --seed 7 \
   --tasks passkey,niah_single --budgets 0.0625,0.03125 \
   --controllers snapkv,tova,keydiff,knorm,quest,streamingllm,ranker:policies/ranker_smollm2.pt,stay=2,question_stay=0 \
   --no-plots --out $OUT
