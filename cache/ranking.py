@@ -60,7 +60,7 @@ def within_layer_rank(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """``[..., L, N]`` → each valid entry's rank among its layer's valid entries (``valid``: ``[L, N]``), scaled to
     0 (lowest) .. 1 (highest); invalid entries get 0. Ties share the lower rank's order (stable). Several value
     arrays stacked on leading axes are ranked in one sort."""
-    keyed = np.where(valid, values, -np.inf).astype(values.dtype, copy=False)
+    keyed = np.where(valid, values, -np.inf)  # float32 stays float32 (the fast stable sort)
     order = stable_argsort(keyed)
     ranks = np.empty(keyed.shape, np.float32)
     np.put_along_axis(ranks, order, np.broadcast_to(np.arange(keyed.shape[-1], dtype=np.float32), keyed.shape), axis=-1)
@@ -175,7 +175,7 @@ def top_b(keyed, candidates, room):
     one top-b rule: ``keep_top`` and the replay twin call it on numpy arrays (it answers in numpy), training on
     batched torch tensors (``kvgym.envs.reward.kept_by_ranking``); a test holds the two paths equal."""
     if isinstance(keyed, np.ndarray):  # numpy's own sort: no conversions on the replay's hot path
-        masked = np.where(candidates, keyed, -np.inf).astype(np.promote_types(keyed.dtype, np.float32), copy=False)
+        masked = np.where(candidates, keyed, -np.inf)  # float32 stays float32 (the fast stable sort)
         order = stable_argsort(-masked)  # best first; ties keep block order
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.broadcast_to(np.arange(order.shape[-1]), order.shape), axis=-1)

@@ -63,10 +63,11 @@ class BlockScorer(nn.Module):
 
 
 class NumpyScorer:
-    """A ``BlockScorer``'s forward in numpy float32, for the controller's decisions: the input standardisation
+    """A ``BlockScorer``'s forward in float32 without autograd (numpy arrays in and out; the products on torch's
+    threads, the ``tanh`` in numpy), for the controller's decisions: the input standardisation
     is folded into the first layer and both heads are one matrix. Same function as the torch module (to float
     rounding), several times faster on a CPU thread (torch's CPU ``tanh`` alone costs ~0.7 ms on a 2k cache's
-    3,840 × 64 activations, numpy's ~0.1 ms; the products stay torch's). A snapshot: later training of the module does not reach it."""
+    3,840 × 64 activations, numpy's ~0.1 ms). A snapshot: later training of the module does not reach it."""
 
     def __init__(self, model: BlockScorer):
         first, second = model.body[0], model.body[2]
