@@ -27,19 +27,27 @@ PHASES = ("prefill", "compress", "question", "decode")
 def page_bounds(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:
     """Quest's criticality ``U = Σ_c max(q_c·M_c, q_c·m_c)`` of every page for every query head.
 
-    ``query`` ``[L, heads, dim]``, ``key_min``/``key_max`` ``[L, N, kv_heads, dim]`` (channel-wise min/max of the
-    page's post-RoPE keys) → ``[L, N, heads]``. Query head ``h`` reads KV head ``h // (heads // kv_heads)``
-    (``repeat_kv``). Since ``q_c·k_c ≤ max(q_c·M_c, q_c·m_c)`` for every key in the page, ``U ≥ q·k`` for each.
+    ``query`` ``[L, heads, dim]`` (or ``[L, heads, q, dim]``: several queries), ``key_min``/``key_max``
+    ``[L, N, kv_heads, dim]`` (channel-wise min/max of the page's post-RoPE keys) → ``[L, N, heads]`` (or
+    ``[L, N, heads, q]``). Query head ``h`` reads KV head ``h // (heads // kv_heads)`` (``repeat_kv``). Since
+    ``q_c·k_c ≤ max(q_c·M_c, q_c·m_c)`` for every key in the page, ``U ≥ q·k`` for each.
     Known for offloaded blocks too (their key summaries stay), so it ranks what a prefetch could bring back.
     Computed as two batched products: ``max(q_c·M_c, q_c·m_c) = max(q_c, 0)·M_c + min(q_c, 0)·m_c`` (as ``M ≥ m``).
     """
-    num_layers, heads, dim = query.shape
+    one_query = query.dim() == 3
+    if one_query:
+        query = query[:, :, None]
+    num_layers, heads, count, dim = query.shape
     kv_heads = key_max.shape[2]
-    q = query.reshape(num_layers, kv_heads, heads // kv_heads, dim).transpose(-1, -2)  # [L, kv, dim, group]
-    bound = torch.matmul(key_max.transpose(1, 2), q.clamp(min=0))  # [L, kv, N, group]
+    group = heads // kv_heads
+    # [L, kv, dim, group · q]: each KV head's query heads (and their queries) as the columns of one product
+    q = query.reshape(num_layers, kv_heads, group * count, dim).transpose(-1, -2)
+    bound = torch.matmul(key_max.transpose(1, 2), q.clamp(min=0))  # [L, kv, N, group · q]
     bound += torch.matmul(key_min.transpose(1, 2), q.clamp(max=0))
     empty = key_max[..., 0] < key_min[..., 0]  # a page without keys (min +inf, max -inf) is unbounded, as max() says
-    return bound.transpose(1, 2).masked_fill(empty[..., None], float("inf")).flatten(2)  # [L, N, heads]
+    bound = bound.transpose(1, 2).masked_fill(empty[..., None], float("inf"))  # [L, N, kv, group · q]
+    bound = bound.reshape(num_layers, -1, heads, count)
+    return bound[..., 0] if one_query else bound
 
 
 def unit_cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -329,6 +337,23 @@ class CacheView:
         if self.last_query is None or self.key_max is None:
             return None
         return page_bounds(self.last_query, self.key_min, self.key_max)
+
+    @cached_property
+    def window_bound_share(self) -> torch.Tensor | None:
+        """``[L, N, heads]``: the share of attention each block could draw from the latest forward's counted
+        queries (``window_queries``: in streaming, the question's at its decision point), offloaded blocks
+        included: each query's Quest bounds (``page_bounds``) as logits (÷ √head_dim), softmax over the layer's
+        live blocks, averaged over the queries (SnapKV's window vote, on bounds). None before the first forward."""
+        if self.window_queries is None or self.key_max is None:
+            return None
+        if self.window_queries[0].shape[1] == 1:  # a decode step's window: its one query is the latest one
+            bound = self.page_bound[..., None]
+        else:
+            bound = page_bounds(torch.stack(self.window_queries), self.key_min, self.key_max)  # [L, N, heads, q]
+        live = (self.tier != Tier.DROPPED) & (self.num_tokens > 0)
+        logits = (bound / self.window_queries[0].shape[-1] ** 0.5).masked_fill(
+            ~live[..., None, None], -torch.inf)
+        return torch.softmax(logits, dim=1).nan_to_num(0.0).mean(dim=-1)
 
     @cached_property
     def neighbour_similarity(self) -> torch.Tensor:

@@ -4,7 +4,9 @@ offloaded) and the cache keeps the top-b of each layer on device.
 - ``block_features(view)`` → ``[L, N, F]`` float32, one row of ``RANK_FEATURES`` per block: the numbers the
   field's heuristics rank by (window, last-query and accumulated attention, mean and max over query heads, as
   log shares of the layer and as within-layer ranks; Quest's bound of the latest query's logit, known for
-  offloaded blocks too; key norm, key distinctiveness, query similarity), the
+  offloaded blocks too, and the share of attention those bounds give each block under the vote of the latest
+  forward's counted queries (in streaming, the question's: the only query-side signal an offloaded block has);
+  key norm, key distinctiveness, query similarity), the
   block's place (position, distance from the end, sink, layer depth), its tier, the phase, and its layer's
   memory pressure and budget. A pure function of a ``CacheView``: the env, the training data and the
   controller loaded into the cache all see the same numbers.
@@ -32,6 +34,7 @@ RANK_FEATURES = (
     "valid", "layer_depth", "position", "distance_from_end", "sink", "newest",
     *[f"{kind}_{over}_{form}" for kind, over in MASS_KINDS for form in ("log_share", "rank")],
     *[f"page_bound_{over}_{form}" for over in ("mean", "max") for form in ("log_share", "rank")],
+    *[f"window_bound_{over}_{form}" for over in ("mean", "max") for form in ("log_share", "rank")],
     "key_norm_rank", "key_distinct_rank", "query_similarity", "query_similarity_rank",
     "tier_device", "tier_host", "tier_disk", "sentence_boundary",
     *[f"phase_{phase}" for phase in PHASES],
@@ -123,6 +126,14 @@ def block_features(view: CacheView) -> np.ndarray:
         summary = (bound.mean(dim=-1) if over == "mean" else bound.amax(dim=-1)).numpy()
         features[..., next(column)] = softmax_log_share(summary / np.sqrt(view.last_query.shape[-1]), valid)
         ranked.append((next(column), summary))  # the logit's order: a positive scale changes no rank
+    vote = view.window_bound_share  # [L, N, heads]: the window's queries' softmax of their bounds, averaged
+    for over in ("mean", "max"):
+        if vote is None:
+            next(column), next(column)
+            continue
+        share = (vote.mean(dim=-1) if over == "mean" else vote.amax(dim=-1)).numpy()
+        features[..., next(column)] = log_share(share, valid)
+        ranked.append((next(column), share))
     mean_key = view.mean_key
     if mean_key is not None:
         norm = -view.mean_key_norm.mean(dim=-1)  # Knorm: a low key norm draws attention

@@ -195,8 +195,37 @@ def test_quest_combines_heads_by_max_or_sum(tiny_model):
     keys[:, 3, 0] = basis(0, 3.0)  # max 3 > 2, but sum 6 < 8
     assert 3 in ops(Quest(head_reduction="sum").decide(view), Op.EVICT)
     assert 6 not in ops(Quest(head_reduction="sum").decide(view), Op.EVICT)
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="head_reduction"):
         Quest(head_reduction="mean")
+    with pytest.raises(ValueError, match="queries"):
+        Quest(queries="all")
+
+
+def test_window_bound_share_is_each_window_query_s_softmax_of_its_bounds_averaged(tiny_model):
+    """``page_bounds`` of several queries equals one call per query; ``window_bound_share`` is, per head, the
+    mean over the window's queries of the softmax (over live blocks) of bound / √dim, a distribution per head.
+    Negative control: the share of the last query alone differs."""
+    cache = filled(tiny_model, prompt=100, decode_steps=1, host_evicted=(3, 4))
+    view = CacheView.from_cache(cache, [8, 8], phase="question")
+    view.window_queries = [torch.randn(HEADS, 5, DIM, generator=torch.Generator().manual_seed(layer))
+                           for layer in range(2)]
+    queries = torch.stack(view.window_queries)  # [L, heads, q, dim]
+    several = page_bounds(queries, view.key_min, view.key_max)
+    for q in range(5):
+        assert torch.allclose(several[..., q], page_bounds(queries[:, :, q], view.key_min, view.key_max), atol=1e-5)
+    live = (view.tier != Tier.DROPPED) & (view.num_tokens > 0)
+    expected = torch.stack([torch.softmax(several[..., q] / DIM**0.5 + torch.where(live, 0.0, -torch.inf)[..., None],
+                                          dim=1) for q in range(5)]).mean(dim=0)
+    share = view.window_bound_share
+    assert torch.allclose(share, expected, atol=1e-6)
+    assert torch.allclose(share.sum(dim=1), torch.ones(2, HEADS), atol=1e-5)
+    assert share[0, 3].sum() > 0  # an offloaded block gets its share
+    assert not torch.allclose(share, torch.softmax(several[..., -1] / DIM**0.5, dim=1), atol=1e-3)
+    decode = CacheView.from_cache(cache, [8, 8], phase="decode")  # a decode step's window: its one query
+    assert decode.window_queries[0].shape[1] == 1
+    one = page_bounds(torch.stack(decode.window_queries), decode.key_min, decode.key_max)[..., 0]
+    assert torch.allclose(decode.window_bound_share, torch.softmax(one / DIM**0.5 + torch.where(
+        live, 0.0, -torch.inf)[..., None], dim=1), atol=1e-6)
 
 
 def test_quest_with_a_full_host_never_prefetches_dropped_pages(tiny_model):

@@ -9,8 +9,9 @@ import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
 
+from agents.policy_file import sha256_hex
 from agents.ranker.controller import RankerController
-from agents.ranker.model import BlockScorer, PolicyFileError, load_ranker, save_ranker
+from agents.ranker.model import BlockScorer, PolicyFileError, _weights_bytes, load_ranker, save_ranker
 from agents.ranker.train import dropped_columns, listwise_loss, plackett_luce_topk, regret_table, train
 from agents.registry import make_controller
 from cache.controller import CacheView, Decision, Op, page_bounds
@@ -627,12 +628,39 @@ def test_ranker_file_round_trips_and_refuses_damage(tmp_path):
     with pytest.raises(PolicyFileError, match="sha256"):
         load_ranker(tmp_path / "tampered.pt")
     payload = torch.load(path, weights_only=True)
-    payload["features"] = payload["features"][:-1]
+    payload["features"] = payload["features"][:-1] + ["a_feature_kvgym_never_computed"]
     torch.save(payload, tmp_path / "other.pt")
-    with pytest.raises(PolicyFileError, match="other block features"):
+    with pytest.raises(PolicyFileError, match="does not compute"):
         load_ranker(tmp_path / "other.pt")
+    payload = torch.load(path, weights_only=True)
+    payload["features"] = payload["features"][:-1]  # the names shrink, the weights do not: they cannot fit
+    torch.save(payload, tmp_path / "misfit.pt")
+    with pytest.raises(PolicyFileError, match="do not fit"):
+        load_ranker(tmp_path / "misfit.pt")
     with pytest.raises(PolicyFileError, match="does not exist"):
         load_ranker(tmp_path / "missing.pt")
+
+
+def test_a_file_trained_before_features_were_added_scores_as_it_was_trained(tmp_path):
+    """A file naming a subset of ``RANK_FEATURES`` (in another order) loads over all of them and gives the scores
+    its own network gives on its own columns; the features it never saw change nothing. Negative control: the
+    same weights read as if their columns were in ``RANK_FEATURES``' order give other scores."""
+    names = [name for name in RANK_FEATURES if not name.startswith("window_bound_")][::-1]
+    old = BlockScorer(num_features=len(names), hidden=8)
+    old.set_normalisation(torch.randn(50, len(names)) * 3 + 1)
+    state = {name: tensor.clone() for name, tensor in old.state_dict().items()}
+    payload = {"format": "kvgym-ranker", "version": 1, "features": names, "hidden": 8, "state_dict": state,
+               "weights_sha256": sha256_hex(_weights_bytes(state)), "summary": "{}"}
+    torch.save(payload, tmp_path / "old.pt")
+    lifted, _ = load_ranker(tmp_path / "old.pt")
+    x = torch.randn(2, 7, len(RANK_FEATURES))
+    own = x[..., [RANK_FEATURES.index(name) for name in names]]
+    with torch.no_grad():
+        assert torch.allclose(lifted(x)[0], old(own)[0], atol=1e-5)
+        assert torch.allclose(lifted(x)[1], old(own)[1], atol=1e-5)
+        x[..., [RANK_FEATURES.index(n) for n in RANK_FEATURES if n.startswith("window_bound_")]] += 100.0
+        assert torch.allclose(lifted(x)[0], old(x[..., [RANK_FEATURES.index(n) for n in names]])[0], atol=1e-5)
+        assert not torch.allclose(old(x[..., : len(names)])[0], old(own)[0], atol=1e-3)
 
 
 @pytest.mark.parametrize("protocol", ["streaming", "oneshot-question"])

@@ -16,6 +16,7 @@ from agents.ranker.model import PPO_ENTRY, BlockScorer, PolicyFileError, load_ra
 from agents.ranker.ppo import SCORE_BOUND, RankingPolicy, train_ppo
 from agents.ranker.train import regret_table
 from agents.registry import make_controller
+from cache.ranking import RANK_FEATURES
 from kvgym.envs.decisions import Decisions, RankingReplayEnv
 from tests.test_ranking import synthetic_records
 
@@ -208,12 +209,16 @@ def test_the_shipped_ppo_ranker_loads_as_a_ranker_and_with_sb3():
     assert summary["best"]["regret"] < 0.0658
     controller = make_controller(f"ranker:{path},stay=2")
     assert isinstance(controller, RankerController) and controller.stay == 2
-    sb3 = PPO.load(path, device="cpu")
-    width = sb3.observation_space["blocks"].shape[0]
-    blocks = np.random.default_rng(0).normal(size=(width, scorer.num_features)).astype(np.float32)
+    sb3 = PPO.load(path, device="cpu")  # trained before the window-vote features: SB3 reads its own feature set
+    width, own = sb3.observation_space["blocks"].shape
+    names = json.loads(zipfile.ZipFile(path).read("kvgym_ranker.json"))["features"]
+    assert own == len(names) < scorer.num_features == len(RANK_FEATURES)
+    blocks = np.random.default_rng(0).normal(size=(width, own)).astype(np.float32)
     observation = {"blocks": blocks, "candidates": np.ones(width, np.float32)}
+    lifted = np.zeros((width, len(RANK_FEATURES)), np.float32)
+    lifted[:, [RANK_FEATURES.index(name) for name in names]] = blocks
     with torch.no_grad():
-        want = scorer(torch.from_numpy(blocks))[0].numpy()
+        want = scorer(torch.from_numpy(lifted))[0].numpy()
     assert np.allclose(sb3.predict(observation, deterministic=True)[0], want, atol=1e-4)
 
 

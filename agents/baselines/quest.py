@@ -48,19 +48,31 @@ class Quest:
     ----------
     head_reduction : str
         ``"max"`` or ``"sum"`` of the per-query-head bounds (the paper selects per head; one set per layer here).
+    queries : str
+        ``"last"`` (the paper: the latest query's bounds) or ``"window"`` (not in the paper: the latest forward's
+        counted queries vote, SnapKV-style, each by the softmax of its bounds over the layer's pages;
+        ``CacheView.window_bound_share``). In streaming the question's decision point then reads the whole
+        question, not only its last token.
     """
 
     head_reduction: str = "max"
+    queries: str = "last"
 
     def __post_init__(self):
-        assert self.head_reduction in ("max", "sum"), f"head_reduction must be 'max' or 'sum', got {self.head_reduction!r}"
+        if self.head_reduction not in ("max", "sum"):
+            raise ValueError(f"quest head_reduction: expected 'max' or 'sum', got {self.head_reduction!r}")
+        if self.queries not in ("last", "window"):
+            raise ValueError(f"quest queries: expected 'last' or 'window', got {self.queries!r}")
 
     def decide(self, view: CacheView) -> list[Decision]:
         if view.phase == "prefill":
             return self._keep_newest(view)
         if view.last_query is None or view.key_max is None:
             return []
-        bounds = page_bounds(view.last_query, view.key_min, view.key_max)  # [L, N, heads]
+        if self.queries == "window":
+            bounds = view.window_bound_share  # [L, N, heads]
+        else:
+            bounds = page_bounds(view.last_query, view.key_min, view.key_max)  # [L, N, heads]
         scores = bounds.amax(dim=-1) if self.head_reduction == "max" else bounds.sum(dim=-1)
         decisions = []
         for layer in range(view.num_layers):

@@ -7,8 +7,10 @@ training set's mean and standard deviation, stored in the file.
 
 The file is one ``torch.save`` of plain tensors and strings (``torch.load(weights_only=True)``: no pickled
 code): ``format``, ``version``, the feature names, the architecture, the weights, the sha256 of the weights,
-and the training run's summary. A file that is missing, corrupt, foreign, fails its checksum or was trained
-on other features is refused with a ``PolicyFileError`` before anything is used. ``load_ranker`` also reads the
+and the training run's summary. A file that is missing, corrupt, foreign, fails its checksum or names a feature
+this kvgym does not compute is refused with a ``PolicyFileError`` before anything is used. A file trained on
+fewer features (before later ones were added) loads with zero weight on the features it never saw: the same
+function it was trained as (``lift_to_features``). ``load_ranker`` also reads the
 scorer out of a PPO zip of ``agents.ranker.ppo`` (SB3's ``model.save`` plus a ``kvgym_ranker.json`` entry with
 the features and the sha256 of ``policy.pth``), under the same checks, without importing SB3.
 """
@@ -173,15 +175,36 @@ def _checked_model(path: Path, payload) -> tuple[BlockScorer, dict]:
     if payload.get("version") != RANKER_VERSION:
         raise PolicyFileError(f"{path}: ranker file version {payload.get('version')!r}; this kvgym reads "
                               f"v{RANKER_VERSION}")
-    if payload.get("features") != list(RANK_FEATURES):
-        raise PolicyFileError(f"{path}: trained on other block features than this kvgym computes; retrain it")
+    names = payload.get("features")
+    unknown = [name for name in names or [] if name not in RANK_FEATURES] if isinstance(names, list) else names
+    if not isinstance(names, list) or unknown or len(set(names)) != len(names):
+        raise PolicyFileError(f"{path}: trained on block features this kvgym does not compute ({unknown!r}; it "
+                              f"computes {', '.join(RANK_FEATURES)}); retrain it")
     state = payload.get("state_dict")
     if not isinstance(state, dict) or sha256_hex(_weights_bytes(state)) != payload.get("weights_sha256"):
         raise PolicyFileError(f"ranker file {path}: the weights do not match their recorded sha256; refusing it")
-    model = BlockScorer(len(RANK_FEATURES), int(payload["hidden"]))
+    model = BlockScorer(len(names), int(payload["hidden"]))
     try:
         model.load_state_dict(state)
     except RuntimeError as error:
         raise PolicyFileError(f"ranker file {path}: weights do not fit the network ({error})") from None
+    model = lift_to_features(model, names)
     model.eval()
     return model, json.loads(payload.get("summary") or "{}")
+
+
+def lift_to_features(model: BlockScorer, names: list[str]) -> BlockScorer:
+    """``model`` (inputs: the features ``names``, a subset of ``RANK_FEATURES``) as a ``BlockScorer`` over all of
+    ``RANK_FEATURES``, computing the same function: each input column moves to its feature's place, and a feature
+    ``names`` lacks gets zero weight (mean 0, std 1)."""
+    if list(names) == list(RANK_FEATURES):
+        return model
+    lifted = BlockScorer(len(RANK_FEATURES), model.hidden)
+    columns = [RANK_FEATURES.index(name) for name in names]
+    with torch.no_grad():
+        lifted.load_state_dict({key: value for key, value in model.state_dict().items()
+                                if key not in ("feature_mean", "feature_std", "body.0.weight")}, strict=False)
+        lifted.feature_mean.zero_()[columns] = model.feature_mean
+        lifted.feature_std.fill_(1.0)[columns] = model.feature_std
+        lifted.body[0].weight.zero_()[:, columns] = model.body[0].weight
+    return lifted

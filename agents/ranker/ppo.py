@@ -134,10 +134,7 @@ class RankingPolicy(ActorCriticPolicy):
         super().__init__(observation_space, action_space, lr_schedule, log_std_init=log_std_init, **kwargs)
 
     def _build(self, lr_schedule) -> None:
-        features = int(self.observation_space["blocks"].shape[-1])
-        if features != len(RANK_FEATURES):
-            raise ValueError(f"RankingPolicy: observation blocks have {features} features, RANK_FEATURES "
-                             f"{len(RANK_FEATURES)}")
+        features = int(self.observation_space["blocks"].shape[-1])  # RANK_FEATURES' (an older zip: its own)
         self.scorer = BlockScorer(features, self.hidden)
         self.critic = nn.Sequential(nn.Linear(2 * features, self.hidden), nn.Tanh(), nn.Linear(self.hidden, 1))
         self.log_std = nn.Parameter(torch.tensor(float(self.log_std_init)), requires_grad=self.learn_std)

@@ -453,6 +453,10 @@ def load_records(paths: list[Path]) -> list[dict]:
         if not isinstance(record, dict) or not {"features", "future_heads", "context_tokens"} <= set(record):
             raise ValueError(f"{path}: not a decision point of `python -m benchmarks.ranker_tools collect` (no features / future_heads); "
                              "remove it or collect it again")
+        if record["features"].shape[-1] != len(RANK_FEATURES):
+            raise ValueError(f"{path}: collected with {record['features'].shape[-1]} block features, this kvgym "
+                             f"computes {len(RANK_FEATURES)} (RANK_FEATURES changed since); collect again into a "
+                             "new folder")
         others = record.pop("other_states", [])
         records.append(record)
         for state in others:
