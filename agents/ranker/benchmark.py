@@ -4,8 +4,10 @@
   model, then, on that cache, the parts of one ``RankerController.decide``: building the ``CacheView``, the
   view's key summaries and Quest bounds (computed once per view, on first use), ``block_features`` on a view
   that has them, the scorer's forward, ``keep_top``; ``decide_ms``, the whole ``decide`` on a view that has
-  them; and ``decision_ms``, what a decision point really costs: a fresh view and ``decide`` on it. Medians
-  over ``repeats``. The first decision on a dense prefill at budget 0.25 moves 75% of the blocks (the most
+  them; and ``decision_ms``, what a decision point really costs: a fresh view and ``decide`` on it (the view's
+  window: the prefill's last ``stats_window`` queries, which the window-vote features read); then
+  ``decode_decision_ms``, the same after one decode step (a window of one query, as at decode's decision
+  points). Medians over ``repeats``. The first decision on a dense prefill at budget 0.25 moves 75% of the blocks (the most
   ``keep_top`` ever writes); later ones move few.
 - **Replay env** (target ≥ 2,000 steps/s): ``RankingReplayEnv`` over every recorded decision of a
   ``python -m benchmarks.ranker_tools collect`` folder (all held in memory), random keep scores, reset + step per episode.
@@ -55,12 +57,12 @@ def bench_decision(model, policy: str | Path, context: int = 2048, budget: float
 
         def view_summaries():
             fresh = fresh_view()
-            return fresh.mean_key, fresh.page_bound, fresh.query_similarity
+            return fresh.mean_key, fresh.page_bound, fresh.query_similarity, fresh.window_bound_share
 
         view = fresh_view()
         features = block_features(view)
         keep, merge = controller.scores(view)
-        return {
+        after_prefill = {
             "context": context, "budget": budget, "layers": cache.num_layers, "blocks_per_layer": view.num_blocks,
             "torch_threads": torch.get_num_threads(),
             "view_ms": _times_ms(fresh_view, repeats),
@@ -70,8 +72,13 @@ def bench_decision(model, policy: str | Path, context: int = 2048, budget: float
             "keep_top_ms": _times_ms(lambda: keep_top(view, keep, merge), repeats),
             "decide_ms": _times_ms(lambda: controller.decide(view), repeats),
             "decision_ms": _times_ms(lambda: controller.decide(fresh_view()), repeats),
+            "window_queries": view.window_queries[0].shape[1],
             "target_ms": 1.0,
         }
+        with torch.no_grad():  # one decode step: the window is its one query (decode's decision points)
+            model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
+        return {**after_prefill, "decode_decision_ms": _times_ms(
+            lambda: controller.decide(CacheView.from_cache(cache, blocks, phase="decode")), repeats)}
     finally:
         cache.close()
 
