@@ -73,3 +73,24 @@ def test_bench_roofline_reports_the_floor_from_weights_and_the_kv_actually_read(
         assert matvec["ms"] > 0 and matvec["gbps"] > 0
     for row in rows.values():
         assert row["matvec_fraction"] == pytest.approx(row["matvec_ms"] / row["ms_per_token"], rel=0.02, abs=0.01)
+
+
+def test_relabel_renames_a_policy_s_records_only_to_the_file_they_read(tmp_path, monkeypatch):
+    """``benchmarks.relabel_records``: a record moves to the new name when its digest is the new file's; a record
+    of another file (negative control: the same name, other bytes) is refused, and other controllers pass as they are."""
+    from benchmarks.relabel_records import relabel
+    from eval.records import controller_digest
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.pt").write_bytes(b"weights A")
+    (tmp_path / "new.pt").write_bytes(b"weights A")
+    (tmp_path / "other.pt").write_bytes(b"weights B")
+    digest = controller_digest("ranker:old.pt")
+    records = [{"controller": "ranker:old.pt,stay=2", "controller_digest": digest, "task": "t", "index": 0, "budget": 0.25},
+               {"controller": "full", "task": "t", "index": 0, "budget": 1.0}]
+    renamed = relabel(records, "ranker:old.pt,stay=2", "ranker:new.pt,stay=2")
+    assert [r["controller"] for r in renamed] == ["ranker:new.pt,stay=2", "full"] and renamed[1] == records[1]
+    with pytest.raises(ValueError, match="digest"):
+        relabel(records, "ranker:old.pt,stay=2", "ranker:other.pt,stay=2")
+    with pytest.raises(ValueError, match="no record"):
+        relabel(records, "ranker:missing.pt", "ranker:new.pt")

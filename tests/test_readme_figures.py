@@ -47,5 +47,5 @@ def test_the_headline_table_is_the_committed_summary():
     assert len(summary) == 2
     assert headline_problems(readme, summary) == []
     # negative controls: a changed figure and a missing row are found
-    assert headline_problems(readme.replace("**0.467**", "**0.500**"), summary)
+    assert headline_problems(readme.replace("**0.500**", "**0.467**"), summary)
     assert headline_problems(readme.replace("| 0.125 | 0.633", "| 0.12 | 0.633"), summary)
