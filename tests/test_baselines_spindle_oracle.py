@@ -98,6 +98,14 @@ def test_prefetching_oracle_brings_offloaded_blocks_back(tiny_model):
         assert result.fallbacks == 0 and max(result.blocks_per_tier["device"]) <= 4
     assert results[False].operations["prefetch"] == 0
     assert results[True].operations["prefetch"] > 0
+    # the cost-aware oracle: a hysteresis moves fewer blocks than the plain top-b (which moves the most)
+    steady = Runner(tiny_model, None, CacheConfig(host_blocks=16), controller=Oracle(trace=trace, prefetch=True, stay=2.0),
+                    budget=4, prefill_chunk=32, decide_every=2).run(ids, max_new_tokens=16)
+    assert steady.fallbacks == 0 and max(steady.blocks_per_tier["device"]) <= 4
+    moved = {name: r.operations["prefetch"] + r.operations["evict"] for name, r in (("plain", results[True]), ("steady", steady))}
+    assert moved["steady"] < moved["plain"]
+    with pytest.raises(ValueError, match="stay"):
+        Oracle(prefetch=True, stay=-1.0)
 
 
 @torch.no_grad()

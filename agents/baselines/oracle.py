@@ -22,7 +22,9 @@ measured with the full cache (attention renormalises once blocks leave), and an 
   ``decode_window`` tokens once the question is read, the harness's ``decide_every``), ties broken by the
   attention still to come after that, and keeps the top-b of each layer on the device (``keep_top``: what
   falls out is evicted, to the host when it has room; what rises in is prefetched). Without it the oracle only
-  evicts, so a block sent to the host never returns: with a host tier that is a weak ceiling.
+  evicts, so a block sent to the host never returns: with a host tier that is a weak ceiling. ``stay`` (≥ 0,
+  ``keep_top``'s hysteresis: resident blocks rank with that many standard deviations of the layer's scores added)
+  trades accuracy for bytes moved: the cost-aware oracle a learned controller's bytes are measured against.
 - Without a trace (``Oracle()``, as the registry builds it), it is not an oracle: it evicts by accumulated
   attention mass (``acc_mass``, H2O's score without a recent window) and warns once. Build the real one with
   ``Oracle.from_run(model, ids, max_new_tokens, prefill_chunk)``, or record any loop with ``TraceRecorder``.
@@ -50,7 +52,12 @@ class Oracle:
     prefetch: bool = False  # rank resident and offloaded blocks by their next attention; prefetch what rises in
     window: int = 64  # prefetch: tokens ahead that count while the prompt streams (one prefill chunk)
     decode_window: int = 8  # prefetch: tokens ahead that count once the question is read (decisions' spacing)
+    stay: float = 0.0  # prefetch: keep_top's hysteresis (0: the plain top-b, which moves the most bytes)
     trace: AttentionTrace | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if not self.stay >= 0:  # also refuses NaN
+            raise ValueError(f"oracle stay: expected a margin >= 0 (standard deviations of a layer's scores), got {self.stay!r}")
 
     @classmethod
     def from_run(cls, model, input_ids, max_new_tokens: int = 64, prefill_chunk: int = 64,
@@ -63,7 +70,7 @@ class Oracle:
         if self.prefetch:
             from cache.ranking import keep_top
 
-            return keep_top(view, self.prefetch_scores(view).numpy())
+            return keep_top(view, self.prefetch_scores(view).numpy(), stay=self.stay)
         scores = self.future_scores(view)
         return [d for layer in range(view.num_layers)
                 for d in evict(layer, lowest_scoring(view, layer, scores[layer], excess_blocks(view, layer)))]
