@@ -95,6 +95,7 @@ FEATURE_GROUPS = {  # for ablations: what each group of RANK_FEATURES tells the 
     "place": ("position", "distance_from_end", "layer_depth"),
     "attention": tuple(f for f in RANK_FEATURES if f.startswith(("last_", "observed_"))),
     "page_bound": tuple(f for f in RANK_FEATURES if f.startswith("page_bound_")),
+    "window_bound": tuple(f for f in RANK_FEATURES if f.startswith("window_bound_")),
     "keys": ("key_norm_rank", "key_distinct_rank"),
     "query_similarity": ("query_similarity", "query_similarity_rank"),
     "context": tuple(f for f in RANK_FEATURES if f.startswith(("tier_", "phase_", "layer_")) and f != "layer_depth")
