@@ -46,6 +46,7 @@ HEURISTIC_COLUMNS = {
     "observed_mean (observed attention)": "observed_mean_rank",
     "key_norm (Knorm)": "key_norm_rank",
     "page_bound_max (Quest)": "page_bound_max_rank",
+    "window_bound_max (Quest, window vote)": "window_bound_max_rank",
     "key_distinct (KeyDiff-like)": "key_distinct_rank",
 }
 
