@@ -339,6 +339,11 @@ class CacheView:
         return page_bounds(self.last_query, self.key_min, self.key_max)
 
     @cached_property
+    def live_blocks(self) -> torch.Tensor:
+        """Bool ``[L, N]``: the blocks that hold tokens and were not dropped (on device or offloaded)."""
+        return (self.tier != Tier.DROPPED) & (self.num_tokens > 0)
+
+    @cached_property
     def window_bound_share(self) -> torch.Tensor | None:
         """``[L, N, heads]``: the share of attention each block could draw from the latest forward's counted
         queries (``window_queries``: in streaming, the question's at its decision point), offloaded blocks
@@ -350,9 +355,8 @@ class CacheView:
             bound = self.page_bound[..., None]
         else:
             bound = page_bounds(torch.stack(self.window_queries), self.key_min, self.key_max)  # [L, N, heads, q]
-        live = (self.tier != Tier.DROPPED) & (self.num_tokens > 0)
         logits = (bound / self.window_queries[0].shape[-1] ** 0.5).masked_fill(
-            ~live[..., None, None], -torch.inf)
+            ~self.live_blocks[..., None, None], -torch.inf)
         return torch.softmax(logits, dim=1).nan_to_num(0.0).mean(dim=-1)
 
     @cached_property

@@ -103,7 +103,7 @@ def block_features(view: CacheView) -> np.ndarray:
     """``[L, N, len(RANK_FEATURES)]`` float32 features of every block (see the module docstring)."""
     num_layers, n = view.num_layers, view.num_blocks
     tier = view.tier.numpy()
-    valid = (tier != Tier.DROPPED) & (view.num_tokens.numpy() > 0)
+    valid = view.live_blocks.numpy()
     features = np.zeros((num_layers, n, NUM_RANK_FEATURES), np.float32)
     column = iter(range(NUM_RANK_FEATURES))
     blocks = np.arange(n, dtype=np.float32)
