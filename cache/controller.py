@@ -360,6 +360,39 @@ class CacheView:
         return torch.softmax(logits, dim=1).nan_to_num(0.0).mean(dim=-1)
 
     @cached_property
+    def window_attention_share(self) -> torch.Tensor | None:
+        """``[L, N, heads]``: the share of attention each block draws from the latest forward's counted queries
+        (``window_queries``), computed exactly over each layer's live blocks wherever they lie: offloaded keys are
+        read where they are (host-side scoring, as RetrievalAttention scores offloaded keys on the CPU), not
+        moved. Causal; a merged slot counts with its log weight; averaged over the queries. One attention pass of
+        the window over the whole cache (decode steps: one query). None before the first forward."""
+        if self.window_queries is None:
+            return None
+        cache, size = self.cache, self.cache.block_size
+        heads, q, dim = self.window_queries[0].shape
+        share = torch.zeros(self.num_layers, self.num_blocks, heads)
+        query_positions = torch.arange(self.seen - q, self.seen)
+        for layer, queries in enumerate(self.window_queries):
+            blocks = torch.nonzero(self.live_blocks[layer]).flatten()
+            tiers, physical = self.tier[layer, blocks], cache.tables.physical[layer, blocks]
+            pool = cache.device_pool(layer)
+            keys = torch.empty(len(blocks), size, *pool.keys.shape[2:])
+            log_weights = torch.zeros(len(blocks), size, pool.keys.shape[2])
+            for tier in torch.unique(tiers).tolist():
+                here, pool = tiers == tier, cache.pools[layer][Tier(tier)]
+                keys[here] = pool.keys[physical[here].to(pool.keys.device)].float().cpu()
+                log_weights[here] = pool.log_weights[physical[here].to(pool.keys.device)].cpu()
+            positions = blocks[:, None] * size + torch.arange(size)
+            usable = (torch.arange(size) < self.num_tokens[layer, blocks, None]).flatten()
+            allowed = usable[None, :] & (positions.flatten()[None, :] <= query_positions[:, None])  # [q, T]
+            kv_heads = keys.shape[2]
+            logits = torch.einsum("kgqd,tkd->kgqt", queries.reshape(kv_heads, heads // kv_heads, q, dim),
+                                  keys.flatten(0, 1)) / dim**0.5 + log_weights.flatten(0, 1).T[:, None, None, :]
+            weights = torch.softmax(logits.masked_fill(~allowed, -torch.inf), dim=-1).nan_to_num(0.0)
+            share[layer, blocks] = weights.reshape(heads, q, len(blocks), size).sum(dim=-1).mean(dim=1).T
+        return share
+
+    @cached_property
     def neighbour_similarity(self) -> torch.Tensor:
         """``[L, N]`` cosine similarity of each block's mean key (KV heads concatenated) to the most similar
         other device block of the same layer; -1 when there is none."""

@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--tasks", default=None,
                             help="comma-separated task names (default: passkey,niah_single,vt,research,text; "
                                  "with --tasks-file and no --tasks: only the file)")
-    evaluation.add_argument("--family-split", choices=("train", "heldout", "heldout_hard"), default=None,
+    evaluation.add_argument("--family-split", choices=("train", "validation", "heldout", "heldout_hard"), default=None,
                             help="add the retrieval families of this side of the generalization split "
                                  "(eval.tasks.families: heldout = wordings and fillers no policy trained on; "
                                  "the same as adding the task families_heldout)")

@@ -201,6 +201,20 @@ def test_quest_combines_heads_by_max_or_sum(tiny_model):
         Quest(queries="all")
 
 
+def test_quest_exact_keeps_the_pages_the_window_attends_most_offloaded_ones_prefetched(tiny_model):
+    cache = filled(tiny_model, prompt=100, decode_steps=1, host_evicted=(3, 4))
+    view = CacheView.from_cache(cache, [4, 4], phase="decode")
+    share = torch.zeros(2, view.num_blocks, HEADS)
+    share[:, 3, 1] = 0.5  # one head attends offloaded page 3 most, then device page 5
+    share[:, 5] = 0.2
+    view.window_attention_share = share
+    decisions = Quest(queries="exact").decide(view)
+    assert 3 in ops(decisions, Op.PREFETCH) and 5 not in ops(decisions, Op.EVICT)
+    assert 4 not in ops(decisions, Op.PREFETCH)
+    # negative control: Quest's own bounds rank other pages (the decision differs)
+    assert sorted(ops(Quest().decide(view), Op.PREFETCH)) != sorted(ops(decisions, Op.PREFETCH))
+
+
 def test_window_bound_share_is_each_window_query_s_softmax_of_its_bounds_averaged(tiny_model):
     """``page_bounds`` of several queries equals one call per query; ``window_bound_share`` is, per head, the
     mean over the window's queries of the softmax (over live blocks) of bound / √dim, a distribution per head.

@@ -147,3 +147,22 @@ def test_view_reports_the_latest_forward_and_free_blocks(tiny_model):
     tiny_model(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True)
     view = CacheView.from_cache(cache, [4, 4])
     assert (view.forward_tokens, view.forward_queries, view.sentence_length) == (1, 1, 1)
+
+
+def test_window_attention_share_is_the_attention_the_forward_computed_offloaded_blocks_included(tiny_model):
+    cache = filled(tiny_model, tokens=100, host_blocks=4)
+    view = CacheView.from_cache(cache, [8, 8])
+    window = view.window_queries[0].shape[1]  # the prefill's counted queries (its last 64)
+    recorded = view.last_mass_heads.transpose(1, 2) / window  # every block resident: the forward saw them all
+    assert torch.allclose(view.window_attention_share, recorded, atol=1e-6)
+    cache.evict(0, 2)
+    cache.evict(0, 3)  # both to the host: the next forward of layer 0 does not see them
+    with torch.no_grad():
+        tiny_model(input_ids=torch.tensor([[9]]), cache=cache, use_cache=True)
+    view = CacheView.from_cache(cache, [8, 8])
+    exact, recorded = view.window_attention_share, view.last_mass_heads.transpose(1, 2)
+    assert torch.allclose(exact.sum(dim=1), torch.ones(2, 4))
+    assert exact[0, [2, 3]].min() > 0 and recorded[0, [2, 3]].max() == 0  # scored where they lie
+    device = view.tier[0] == Tier.DEVICE  # over the resident blocks the forward's own softmax, renormalised
+    assert torch.allclose(exact[0, device] / exact[0, device].sum(dim=0), recorded[0, device], atol=1e-6)
+    assert torch.allclose(exact[1], recorded[1], atol=1e-6)  # layer 1 offloaded nothing

