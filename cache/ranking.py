@@ -6,7 +6,6 @@ offloaded) and the cache keeps the top-b of each layer on device.
   log shares of the layer and as within-layer ranks; Quest's bound of the latest query's logit, known for
   offloaded blocks too, and the share of attention those bounds give each block under the vote of the latest
   forward's counted queries (in streaming, the question's: the only query-side signal an offloaded block has);
-  after the question is read, the same window's exact attention, offloaded blocks scored where they lie;
   key norm, key distinctiveness, query similarity), the
   block's place (position, distance from the end, sink, layer depth), its tier, the phase, and its layer's
   memory pressure and budget. A pure function of a ``CacheView``: the env, the training data and the
@@ -36,7 +35,6 @@ RANK_FEATURES = (
     *[f"{kind}_{over}_{form}" for kind, over in MASS_KINDS for form in ("log_share", "rank")],
     *[f"page_bound_{over}_{form}" for over in ("mean", "max") for form in ("log_share", "rank")],
     *[f"window_bound_{over}_{form}" for over in ("mean", "max") for form in ("log_share", "rank")],
-    *[f"window_attention_{over}_{form}" for over in ("mean", "max") for form in ("log_share", "rank")],
     "key_norm_rank", "key_distinct_rank", "query_similarity", "query_similarity_rank",
     "tier_device", "tier_host", "tier_disk", "sentence_boundary",
     *[f"phase_{phase}" for phase in PHASES],
@@ -134,16 +132,6 @@ def block_features(view: CacheView) -> np.ndarray:
             next(column), next(column)
             continue
         share = (vote.mean(dim=-1) if over == "mean" else vote.amax(dim=-1)).numpy()
-        features[..., next(column)] = log_share(share, valid)
-        ranked.append((next(column), share))
-    # the same window's exact attention over every live block, offloaded ones scored where they lie; after the
-    # question is read only (a prefill chunk's 64 queries over the whole cache would cost ~30x a decision)
-    exact = None if view.phase == "prefill" else view.window_attention_share
-    for over in ("mean", "max"):
-        if exact is None:
-            next(column), next(column)
-            continue
-        share = (exact.mean(dim=-1) if over == "mean" else exact.amax(dim=-1)).numpy()
         features[..., next(column)] = log_share(share, valid)
         ranked.append((next(column), share))
     mean_key = view.mean_key

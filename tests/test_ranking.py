@@ -16,7 +16,7 @@ from agents.ranker.train import dropped_columns, listwise_loss, plackett_luce_to
 from agents.registry import make_controller
 from cache.controller import CacheView, Decision, Op, page_bounds
 from cache.paged_cache import CacheConfig
-from cache.ranking import RANK_FEATURES, block_features, keep_top, log_share, stable_argsort, within_layer_rank
+from cache.ranking import RANK_FEATURES, block_features, keep_top, stable_argsort, within_layer_rank
 from cache.runner import Prompt, Runner
 from cache.tiers import Tier
 from kvgym.envs.decisions import (
@@ -140,25 +140,6 @@ def test_page_bound_features_score_offloaded_blocks_by_quests_bound(tiny_model):
     assert np.allclose(shares.sum(axis=1), view.num_blocks, rtol=1e-3)
     # negative control: the attention-mass columns know nothing new of blocks the latest queries could not see
     assert not np.allclose(features[..., column["page_bound_max_rank"]], features[..., column["last_max_rank"]])
-
-
-def test_window_attention_features_score_offloaded_blocks_by_the_windows_exact_attention(tiny_model):
-    from cache.controller import apply_decisions
-
-    cache, view = view_after_prefill(tiny_model)
-    column = {name: i for i, name in enumerate(RANK_FEATURES)}
-    exact_columns = [column[name] for name in RANK_FEATURES if name.startswith("window_attention_")]
-    prefill = block_features(CacheView.from_cache(cache, [5, 5], phase="prefill"))
-    assert (prefill[..., exact_columns] == 0).all()  # not computed mid-prefill (a chunk over the whole cache)
-    apply_decisions(cache, [Decision(layer, block, Op.EVICT) for layer in range(2) for block in (2, 3, 4)])
-    view = CacheView.from_cache(cache, [5, 5], phase="question")
-    features = block_features(view)
-    share = view.window_attention_share.amax(dim=-1).numpy()
-    assert share[:, 2:5].min() > 0  # the offloaded blocks are scored where they lie
-    assert np.allclose(features[..., column["window_attention_max_rank"]], within_layer_rank(share, np.ones(share.shape, bool)))
-    assert np.allclose(features[..., column["window_attention_max_log_share"]], log_share(share, np.ones(share.shape, bool)))
-    # negative control: the latest forward's own attention (before the evictions) is another ranking
-    assert not np.allclose(features[..., column["window_attention_mean_rank"]], features[..., column["last_query_mean_rank"]])
 
 
 def test_streaming_states_show_the_policy_what_streaming_leaves_it(tiny_model):

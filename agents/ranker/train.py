@@ -47,7 +47,6 @@ HEURISTIC_COLUMNS = {
     "key_norm (Knorm)": "key_norm_rank",
     "page_bound_max (Quest)": "page_bound_max_rank",
     "window_bound_max (Quest, window vote)": "window_bound_max_rank",
-    "window_attention_max (exact window vote, after the question)": "window_attention_max_rank",
     "key_distinct (KeyDiff-like)": "key_distinct_rank",
 }
 
@@ -98,7 +97,6 @@ FEATURE_GROUPS = {  # for ablations: what each group of RANK_FEATURES tells the 
     "attention": tuple(f for f in RANK_FEATURES if f.startswith(("last_", "observed_"))),
     "page_bound": tuple(f for f in RANK_FEATURES if f.startswith("page_bound_")),
     "window_bound": tuple(f for f in RANK_FEATURES if f.startswith("window_bound_")),
-    "window_attention": tuple(f for f in RANK_FEATURES if f.startswith("window_attention_")),
     "keys": ("key_norm_rank", "key_distinct_rank"),
     "query_similarity": ("query_similarity", "query_similarity_rank"),
     "context": tuple(f for f in RANK_FEATURES if f.startswith(("tier_", "phase_", "layer_")) and f != "layer_depth")
