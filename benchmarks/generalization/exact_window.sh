@@ -22,6 +22,11 @@ for b in 0.125 0.25; do
   $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_stay_$b \
     --controllers "ranker:$OLD,stay=0,ranker:$OLD,stay=1,question_stay=0" &
 done; wait
+# the prefetching oracle's hysteresis (issue 39's cost-aware baseline), tuned by the same rule: stay=1
+for b in 0.125 0.25; do
+  $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_oracle_stay_$b \
+    --controllers "oracle:prefetch=true,stay=1,oracle:prefetch=true,stay=2" &
+done; wait
 # the same window's exact attention as a heuristic (Quest's rules), beside Quest's window vote on bounds
 for b in 0.125 0.25; do
   $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_quest_exact_$b \
