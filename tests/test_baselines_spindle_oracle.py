@@ -1,6 +1,8 @@
 """The oracle pins down its rule on constructed views and beats LRU / StreamingLLM on a teacher-forced tiny-model
 run (SpindleKV's rules are in ``test_baselines_paper_rules.py``)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -149,3 +151,24 @@ def test_oracle_error_is_below_lru_and_streaming_llm_on_a_teacher_forced_run():
         kl[name] = (full.exp() * (full - approx)).sum(dim=-1).mean().item()
     print("KL vs full cache:", kl)
     assert kl["oracle"] < 0.9 * min(kl["lru"], kl["streamingllm"])
+
+
+def test_prefill_ranker_makes_the_prefills_decisions_and_the_oracle_the_rest(tiny_model):
+    """``prefill_ranker``: a diagnostic oracle whose prefill decisions are the shipped ranker's (``stay=2``); from
+    the question on it is the prefetching oracle. Negative control: the oracle's own prefill decision differs."""
+    import numpy as np
+
+    from agents.policy_file import PolicyFileError
+    from agents.ranker.controller import RankerController
+
+    path = str(Path(__file__).resolve().parents[1] / "policies" / "ranker_smollm2.pt")
+    cache, prefill = view_of(tiny_model, [5, 5])
+    trace = hand_trace([160, 161, 162, 163])
+    mixed = Oracle(trace=trace, prefetch=True, window=1, prefill_ranker=path)
+    oracle = Oracle(trace=trace, prefetch=True, window=1)
+    assert np.array_equal(mixed.decide(prefill).device, RankerController(path, stay=2.0).decide(prefill).device)
+    assert not np.array_equal(oracle.decide(prefill).device, mixed.decide(prefill).device)
+    question = CacheView.from_cache(cache, [5, 5], phase="question")
+    assert np.array_equal(mixed.decide(question).device, oracle.decide(question).device)
+    with pytest.raises(PolicyFileError, match="does not exist"):
+        Oracle(prefetch=True, prefill_ranker="policies/missing.pt")

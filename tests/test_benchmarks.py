@@ -25,7 +25,10 @@ def test_bench_cache_reports_interleaved_medians_and_agreement(tiny_model):
     assert [row["context"] for row in rows] == [64, 128]
     for row in rows:
         assert row["greedy_tokens_agree"] is True
-        assert abs(row["ratio"] - row["paged_ms"] / row["dynamic_ms"]) < 0.01 * row["ratio"] + 0.002
+        # the times are rounded to 0.01 ms and the ratio to 0.001: on a fast machine the tiny model's steps take a
+        # fraction of a millisecond, so the rounding alone moves paged_ms / dynamic_ms by a few percent
+        rounding = 0.005 / row["dynamic_ms"] * (1 + row["ratio"]) + 0.0005
+        assert abs(row["ratio"] - row["paged_ms"] / row["dynamic_ms"]) < 0.01 * row["ratio"] + rounding
 
 
 def test_bench_ops_reports_every_operation_and_decode_ratio(tiny_model):

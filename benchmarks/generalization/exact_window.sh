@@ -27,6 +27,11 @@ for b in 0.125 0.25; do
   $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_oracle_stay_$b \
     --controllers "oracle:prefetch=true,stay=1,oracle:prefetch=true,stay=2" &
 done; wait
+# where the gap at 0.125 lies: the shipped file's prefill, then the prefetching oracle from the question on
+for b in 0.125 0.25; do
+  $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_oracle_split_$b \
+    --controllers "oracle:prefetch=true,prefill_ranker=$OLD" &
+done; wait
 # the same window's exact attention as a heuristic (Quest's rules), beside Quest's window vote on bounds
 for b in 0.125 0.25; do
   $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_quest_exact_$b \
