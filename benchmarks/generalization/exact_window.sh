@@ -17,28 +17,19 @@ S="kvgym eval --no-plots --lengths 2048 --protocol streaming --no-chat --host-bl
 # validation: the full cache, the prefetching oracle and the shipped file (the baseline of the choice) ...
 $S --seed 9 --n 20 --family-split validation --budgets 0.125,0.25 --out out/val_stream_2k_plain \
   --controllers "ranker:$OLD,stay=2,question_stay=0,oracle:prefetch=true"
+per_budget() {  # per_budget OUT CONTROLLERS: validation runs of one budget per process, into OUT_<budget>; the
+  for b in 0.125 0.25; do  # full cache's records are copied in first (the same samples: they are not run again)
+    mkdir -p "$1_$b" && grep '"controller": "full"' out/val_stream_2k_plain/samples.jsonl >> "$1_$b/samples.jsonl"
+    $S --seed 9 --n 20 --family-split validation --budgets $b --out "$1_$b" --controllers "$2" &
+  done; wait
+}
 # the hysteresis of the shipped file, chosen here (best summed accuracy, ties to fewer bytes): stay=1 was
-for b in 0.125 0.25; do
-  $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_stay_$b \
-    --controllers "ranker:$OLD,stay=0,ranker:$OLD,stay=1,question_stay=0" &
-done; wait
+per_budget out/val_stay "ranker:$OLD,stay=0,ranker:$OLD,stay=1,question_stay=0"
 # the prefetching oracle's hysteresis (issue 39's cost-aware baseline), tuned by the same rule: stay=1
-for b in 0.125 0.25; do
-  $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_oracle_stay_$b \
-    --controllers "oracle:prefetch=true,stay=1,oracle:prefetch=true,stay=2" &
-done; wait
+per_budget out/val_oracle_stay "oracle:prefetch=true,stay=1,oracle:prefetch=true,stay=2"
 # where the gap at 0.125 lies: the shipped file's prefill, then the prefetching oracle from the question on
-for b in 0.125 0.25; do
-  $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_oracle_split_$b \
-    --controllers "oracle:prefetch=true,prefill_ranker=$OLD" &
-done; wait
+per_budget out/val_oracle_split "oracle:prefetch=true,prefill_ranker=$OLD"
 # the same window's exact attention as a heuristic (Quest's rules), beside Quest's window vote on bounds
-for b in 0.125 0.25; do
-  $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_quest_exact_$b \
-    --controllers "quest:queries=exact,quest:queries=window" &
-done; wait
+per_budget out/val_quest_exact "quest:queries=exact,quest:queries=window"
 # ... and the retrained file (collection with the window_attention features; checkpoint on validation families)
-for b in 0.125 0.25; do
-  $S --seed 9 --n 20 --family-split validation --budgets $b --out out/val_stream_2k_plain_new_$b \
-    --controllers "ranker:$NEW,stay=2,question_stay=0" &
-done; wait
+per_budget out/val_stream_2k_plain_new "ranker:$NEW,stay=2,question_stay=0"
