@@ -19,7 +19,7 @@ $S --seed 9 --n 20 --family-split validation --budgets 0.125,0.25 --out out/val_
   --controllers "ranker:$OLD,stay=2,question_stay=0,oracle:prefetch=true"
 per_budget() {  # per_budget OUT CONTROLLERS: validation runs of one budget per process, into OUT_<budget>; the
   for b in 0.125 0.25; do  # full cache's records are copied in first (the same samples: they are not run again)
-    mkdir -p "$1_$b" && grep '"controller": "full"' out/val_stream_2k_plain/samples.jsonl >> "$1_$b/samples.jsonl"
+    mkdir -p "$1_$b"; [ -s "$1_$b/samples.jsonl" ] || grep '"controller": "full"' out/val_stream_2k_plain/samples.jsonl > "$1_$b/samples.jsonl"
     $S --seed 9 --n 20 --family-split validation --budgets $b --out "$1_$b" --controllers "$2" &
   done; wait
 }
