@@ -370,22 +370,22 @@ class CacheView:
             return None
         cache, size = self.cache, self.cache.block_size
         heads, q, dim = self.window_queries[0].shape
+        kv_heads = cache.device_pool(0).keys.shape[2]
         share = torch.zeros(self.num_layers, self.num_blocks, heads)
         query_positions = torch.arange(self.seen - q, self.seen)
         for layer, queries in enumerate(self.window_queries):
             blocks = torch.nonzero(self.live_blocks[layer]).flatten()
             tiers, physical = self.tier[layer, blocks], cache.tables.physical[layer, blocks]
-            pool = cache.device_pool(layer)
-            keys = torch.empty(len(blocks), size, *pool.keys.shape[2:])
-            log_weights = torch.zeros(len(blocks), size, pool.keys.shape[2])
-            for tier in torch.unique(tiers).tolist():
+            keys = torch.empty(len(blocks), size, kv_heads, dim)
+            log_weights = torch.zeros(len(blocks), size, kv_heads)
+            for tier in torch.unique(tiers).tolist():  # each tier's blocks read from its own pool, in place
                 here, pool = tiers == tier, cache.pools[layer][Tier(tier)]
-                keys[here] = pool.keys[physical[here].to(pool.keys.device)].float().cpu()
-                log_weights[here] = pool.log_weights[physical[here].to(pool.keys.device)].cpu()
+                rows = physical[here].to(pool.keys.device)
+                keys[here] = pool.keys[rows].float().cpu()
+                log_weights[here] = pool.log_weights[rows].cpu()
             positions = blocks[:, None] * size + torch.arange(size)
             usable = (torch.arange(size) < self.num_tokens[layer, blocks, None]).flatten()
             allowed = usable[None, :] & (positions.flatten()[None, :] <= query_positions[:, None])  # [q, T]
-            kv_heads = keys.shape[2]
             logits = torch.einsum("kgqd,tkd->kgqt", queries.reshape(kv_heads, heads // kv_heads, q, dim),
                                   keys.flatten(0, 1)) / dim**0.5 + log_weights.flatten(0, 1).T[:, None, None, :]
             weights = torch.softmax(logits.masked_fill(~allowed, -torch.inf), dim=-1).nan_to_num(0.0)

@@ -236,16 +236,19 @@ def chat_lines(rng: random.Random, count: int) -> list[str]:
     return lines
 
 
+LINE_POOLS = {"records": record_lines, "table": table_lines, "chat": chat_lines}  # fillers drawn as a pool of lines
+
+
 def haystack(filler: str, rng: random.Random, length: int):
     """``(context(n, inserts), n_max)`` for ``filler``: ``context`` places each ``(depth, sentence)`` of ``inserts``
     (a line among lines, or a sentence among the prose's sentences) in ``n`` units of filler."""
-    if filler in ("noise", "records", "code", "table", "chat"):
+    if filler in ("noise", "code", *LINE_POOLS):
         if filler == "noise":
             def units(n: int) -> list[str]:
                 return noise_lines(n)
             n_max = 4 * length
-        elif filler in ("records", "table", "chat"):
-            pool = {"records": record_lines, "table": table_lines, "chat": chat_lines}[filler](rng, length)
+        elif filler in LINE_POOLS:
+            pool = LINE_POOLS[filler](rng, length)
 
             def units(n: int) -> list[str]:
                 return pool[:n]
