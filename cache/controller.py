@@ -368,12 +368,17 @@ class CacheView:
         the window over the whole cache (decode steps: one query). None before the first forward."""
         if self.window_queries is None:
             return None
+        return self.attention_share(self.window_queries, self.seen - self.window_queries[0].shape[1])
+
+    def attention_share(self, queries_by_layer: list[torch.Tensor], first_position: int) -> torch.Tensor:
+        """``[L, N, heads]``: ``window_attention_share`` for any queries (``[heads, q, dim]`` per layer, post-RoPE,
+        at positions ``first_position`` onward), e.g. those of tokens drafted ahead."""
         cache, size = self.cache, self.cache.block_size
-        heads, q, dim = self.window_queries[0].shape
+        heads, q, dim = queries_by_layer[0].shape
         kv_heads = cache.device_pool(0).keys.shape[2]
         share = torch.zeros(self.num_layers, self.num_blocks, heads)
-        query_positions = torch.arange(self.seen - q, self.seen)
-        for layer, queries in enumerate(self.window_queries):
+        query_positions = torch.arange(first_position, first_position + q)
+        for layer, queries in enumerate(queries_by_layer):
             blocks = torch.nonzero(self.live_blocks[layer]).flatten()
             tiers, physical = self.tier[layer, blocks], cache.tables.physical[layer, blocks]
             keys = torch.empty(len(blocks), size, kv_heads, dim)

@@ -155,7 +155,8 @@ def test_oracle_error_is_below_lru_and_streaming_llm_on_a_teacher_forced_run():
 
 def test_prefill_ranker_makes_the_prefills_decisions_and_the_oracle_the_rest(tiny_model):
     """``prefill_ranker``: a diagnostic oracle whose prefill decisions are the shipped ranker's (``stay=2``); from
-    the question on it is the prefetching oracle. Negative control: the oracle's own prefill decision differs."""
+    the question on it is the prefetching oracle (with ``ranker_phases``: from the phases it does not name).
+    Negative control: the oracle's own prefill (and question) decision differs."""
     import numpy as np
 
     from agents.policy_file import PolicyFileError
@@ -170,5 +171,14 @@ def test_prefill_ranker_makes_the_prefills_decisions_and_the_oracle_the_rest(tin
     assert not np.array_equal(oracle.decide(prefill).device, mixed.decide(prefill).device)
     question = CacheView.from_cache(cache, [5, 5], phase="question")
     assert np.array_equal(mixed.decide(question).device, oracle.decide(question).device)
+    # ranker_phases: the ranker also decides the question's decision point (the oracle only the answer's)
+    later = Oracle(trace=trace, prefetch=True, window=1, prefill_ranker=path, ranker_phases="prefill+question")
+    ranker = RankerController(path, stay=2.0, question_stay=0.0)
+    assert np.array_equal(later.decide(question).device, ranker.decide(question).device)
+    assert not np.array_equal(later.decide(question).device, oracle.decide(question).device)
+    decode = CacheView.from_cache(cache, [5, 5], phase="decode")
+    assert np.array_equal(later.decide(decode).device, oracle.decide(decode).device)
+    with pytest.raises(ValueError, match="ranker_phases"):
+        Oracle(prefetch=True, ranker_phases="prefill+answer")
     with pytest.raises(PolicyFileError, match="does not exist"):
         Oracle(prefetch=True, prefill_ranker="policies/missing.pt")

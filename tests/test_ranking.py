@@ -727,9 +727,10 @@ def test_bench_ranker_times_every_part_of_a_decision(tiny_model, tmp_path):
     report = bench_decision(tiny_model, "policies/ranker_smollm2.pt", context=256, repeats=2)
     assert report["layers"] == 2 and report["blocks_per_layer"] == 256 // 16
     for part in ("view_ms", "view_summaries_ms", "block_features_ms", "scorer_forward_ms", "keep_top_ms", "decide_ms",
-                 "decision_ms", "decode_decision_ms"):
+                 "decision_ms", "decode_decision_ms", "budgeted_decode_decision_ms", "lookahead_decision_ms"):
         assert report[part]["median_ms"] > 0
     assert report["window_queries"] == 64  # the prefill's stats_window
+    assert report["lookahead_tokens"] == 8
     with pytest.raises(ValueError, match="no decision points"):
         bench_replay(tmp_path)
 

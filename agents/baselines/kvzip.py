@@ -108,11 +108,11 @@ def repeat_inputs(model, token_ids: list[int], chunk_size: int) -> list[tuple[in
     return passes
 
 
-def resident_copy(view: CacheView, extra_tokens: int) -> tuple[PagedKVCache, list[torch.Tensor]]:
-    """A fresh cache holding a copy of each layer's device tokens (packed in position order) and room for
-    ``extra_tokens`` more, recording every query of forwards of up to ``PIECE_TOKENS`` tokens (``stats_window``)
-    and each block's largest single-query attention; and each layer's device blocks, whose ``i``-th is the
-    copy's block ``i``."""
+def resident_copy(view: CacheView, extra_tokens: int, drop_newest: int = 0) -> tuple[PagedKVCache, list[torch.Tensor]]:
+    """A fresh cache holding a copy of each layer's device tokens (packed in position order; the newest
+    ``drop_newest`` tokens left out) and room for ``extra_tokens`` more, recording every query of forwards of up to
+    ``PIECE_TOKENS`` tokens (``stats_window``) and each block's largest single-query attention; and each layer's
+    device blocks, whose ``i``-th is the copy's block ``i``."""
     source, bs = view.cache, view.cache.block_size
     config = CacheConfig(block_size=bs, max_tokens=view.seen + extra_tokens, stats_window=PIECE_TOKENS,
                          track_query_max=True, sink_blocks=source.config.sink_blocks)
@@ -127,6 +127,7 @@ def resident_copy(view: CacheView, extra_tokens: int) -> tuple[PagedKVCache, lis
         valid = (torch.arange(bs)[None] < counts[:, None]).to(pool.keys.device)
         physical = source.tables.physical[layer, blocks].to(pool.keys.device)
         keys, values = pool.keys[physical][valid], pool.values[physical][valid]  # [T, kv_heads, dim]
+        keys, values = keys[: len(keys) - drop_newest], values[: len(values) - drop_newest]
         copy.update(keys.transpose(0, 1)[None], values.transpose(0, 1)[None], layer)
         resident.append(blocks)
     return copy, resident

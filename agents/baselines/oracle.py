@@ -26,10 +26,11 @@ measured with the full cache (attention renormalises once blocks leave), and an 
   ``keep_top``'s hysteresis: resident blocks rank with that many standard deviations of the layer's scores added)
   trades accuracy for bytes moved: the cost-aware oracle a learned controller's bytes are measured against.
 - ``prefill_ranker=PATH`` (a diagnostic, not a bound): the prefill's decision points are a ranker file's
-  (``ranker:PATH,stay=2``, the shipped setting), the oracle decides from the question on. Between the policy and
+  (``ranker:PATH,stay=2,question_stay=0``, the shipped setting), the oracle decides from the question on. Between the policy and
   the oracle it splits the gap into what the prefill left (the oracle's prefill knows which blocks the question
   will read and prefetches them before the question is encoded; no causal controller can) and what the
-  question-time choice misses.
+  question-time choice misses. ``ranker_phases`` (``prefill`` by default) names the phases the ranker decides
+  (``prefill+question``: the oracle only during the answer), to split the gap further.
 - Without a trace (``Oracle()``, as the registry builds it), it is not an oracle: it evicts by accumulated
   attention mass (``acc_mass``, H2O's score without a recent window) and warns once. Build the real one with
   ``Oracle.from_run(model, ids, max_new_tokens, prefill_chunk)``, or record any loop with ``TraceRecorder``.
@@ -59,16 +60,22 @@ class Oracle:
     decode_window: int = 8  # prefetch: tokens ahead that count once the question is read (decisions' spacing)
     stay: float = 0.0  # prefetch: keep_top's hysteresis (0: the plain top-b, which moves the most bytes)
     prefill_ranker: str = ""  # a ranker file that makes the prefill's decisions ("": the oracle makes them)
+    ranker_phases: str = "prefill"  # with prefill_ranker: the phases it decides ("+"-joined, e.g. prefill+question)
     trace: AttentionTrace | None = field(default=None, repr=False)
     _prefill: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if not self.stay >= 0:  # also refuses NaN
             raise ValueError(f"oracle stay: expected a margin >= 0 (standard deviations of a layer's scores), got {self.stay!r}")
+        phases = self.ranker_phases.split("+")
+        if not phases or any(phase not in ("prefill", "question", "decode") for phase in phases):
+            raise ValueError(f"oracle ranker_phases {self.ranker_phases!r}: '+'-joined phases of prefill, question, "
+                             "decode (the ones prefill_ranker decides)")
+        self._ranker_phases = set(phases)
         if self.prefill_ranker:  # loaded now, so that a bad file is refused before any run
             from agents.ranker.controller import RankerController
 
-            self._prefill = RankerController(self.prefill_ranker, stay=2.0)
+            self._prefill = RankerController(self.prefill_ranker, stay=2.0, question_stay=0.0)
 
     @classmethod
     def from_run(cls, model, input_ids, max_new_tokens: int = 64, prefill_chunk: int = 64,
@@ -78,7 +85,7 @@ class Oracle:
         return cls(horizon=horizon, trace=record_trace(model, input_ids, max_new_tokens, prefill_chunk, **kwargs))
 
     def decide(self, view: CacheView) -> list[Decision]:
-        if self._prefill is not None and view.phase == "prefill":
+        if self._prefill is not None and view.phase in self._ranker_phases:
             return self._prefill.decide(view)
         if self.prefetch:
             from cache.ranking import keep_top

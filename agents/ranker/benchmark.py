@@ -7,7 +7,9 @@
   them; and ``decision_ms``, what a decision point really costs: a fresh view and ``decide`` on it (the view's
   window: the prefill's last ``stats_window`` queries, which the window-vote features read); then
   ``decode_decision_ms``, the same after one decode step (a window of one query, as at decode's decision
-  points). Medians over ``repeats``. The first decision on a dense prefill at budget 0.25 moves 75% of the blocks (the most
+  points); ``budgeted_decode_decision_ms`` and ``lookahead_decision_ms``, a decision and one that drafts
+  ``LOOKAHEAD`` tokens (``ranker:...,lookahead=8``) on the cache at its budget, after one more decode step. Medians
+  over ``repeats`` (a fifth of them for the lookahead). The first decision on a dense prefill at budget 0.25 moves 75% of the blocks (the most
   ``keep_top`` ever writes); later ones move few.
 - **Replay env** (target ≥ 2,000 steps/s): ``RankingReplayEnv`` over every recorded decision of a
   ``python -m benchmarks.ranker_tools collect`` folder (all held in memory), random keep scores, reset + step per episode.
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+LOOKAHEAD = 8  # tokens drafted by the timed lookahead decision (the setting measured on the validation families)
 
 
 def _times_ms(fn, repeats: int) -> dict:
@@ -39,7 +43,7 @@ def bench_decision(model, policy: str | Path, context: int = 2048, budget: float
                    seed: int = 0) -> dict:
     """Time one ranking decision (features, scorer, top-b) on a cache of ``context`` tokens."""
     from agents.ranker.controller import RankerController
-    from cache.controller import CacheView
+    from cache.controller import CacheView, apply_decisions
     from cache.paged_cache import CacheConfig, PagedKVCache
     from cache.ranking import block_features, keep_top
     from cache.runner import budget_blocks
@@ -77,8 +81,22 @@ def bench_decision(model, policy: str | Path, context: int = 2048, budget: float
         }
         with torch.no_grad():  # one decode step: the window is its one query (decode's decision points)
             model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
-        return {**after_prefill, "decode_decision_ms": _times_ms(
+        after_decode = {"decode_decision_ms": _times_ms(
             lambda: controller.decide(CacheView.from_cache(cache, blocks, phase="decode")), repeats)}
+        # the cache at its budget (the decision applied), one more decode step: a decision there, and one that
+        # drafts LOOKAHEAD tokens ahead over the device blocks (the ranker's ``lookahead``)
+        apply_decisions(cache, controller.decide(CacheView.from_cache(cache, blocks, phase="decode")))
+        with torch.no_grad():
+            model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
+        token_ids = torch.cat([ids[0], ids[0, -1:], ids[0, -1:]])
+        drafting = RankerController(str(policy), lookahead=LOOKAHEAD)
+
+        def budgeted():
+            return CacheView.from_cache(cache, blocks, phase="decode", model=model, token_ids=token_ids)
+
+        return {**after_prefill, **after_decode, "lookahead_tokens": LOOKAHEAD,
+                "budgeted_decode_decision_ms": _times_ms(lambda: controller.decide(budgeted()), repeats),
+                "lookahead_decision_ms": _times_ms(lambda: drafting.decide(budgeted()), max(repeats // 5, 3))}
     finally:
         cache.close()
 

@@ -1,0 +1,85 @@
+"""Lookahead (``agents.ranker.lookahead``): the drafted tokens' queries are the ones the cache itself computes when
+it decodes those tokens (reference: the cache's own forwards, nothing offloaded), and the ranker uses them only at
+the answer's decision points."""
+
+import numpy as np
+import pytest
+import torch
+
+import agents.ranker.lookahead as lookahead
+from agents.registry import make_controller
+from cache.controller import CacheView
+from cache.paged_cache import CacheConfig, PagedKVCache
+from cache.tiers import Tier
+
+DRAFT = 3
+
+
+@torch.no_grad()
+def decode_view(model, tokens=100, **config):
+    """A cache after a prompt of ``tokens`` and one decode step, and the decision view of that step."""
+    cache = PagedKVCache(model.config, CacheConfig(**config))
+    ids = torch.randint(2, 256, (1, tokens), generator=torch.Generator().manual_seed(5)).tolist()[0]
+    logits = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
+    ids.append(int(logits.argmax()))
+    logits = model(input_ids=torch.tensor([ids[-1:]]), cache=cache, use_cache=True).logits[0, -1]
+    view = CacheView.from_cache(cache, [4, 4], phase="decode", model=model, token_ids=torch.tensor(ids))
+    return cache, view, ids, logits
+
+
+@torch.no_grad()
+def test_drafted_queries_are_the_queries_of_the_greedy_continuation(tiny_model, monkeypatch):
+    cache, view, ids, logits = decode_view(tiny_model)
+    queries, first = lookahead.draft_queries(view, DRAFT)
+    assert first == len(ids) - 1 and queries[0].shape == (tiny_model.config.num_attention_heads, DRAFT,
+                                                           tiny_model.config.head_dim)
+    expected = [[cache.last_query[layer].float().clone()] for layer in range(2)]  # the newest token's, fed again
+    for _ in range(DRAFT - 1):  # the reference: the cache itself decodes the greedy continuation
+        token = int(logits.argmax())
+        logits = tiny_model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+        for layer in range(2):
+            expected[layer].append(cache.last_query[layer].float().clone())
+    for layer in range(2):
+        assert torch.allclose(queries[layer], torch.stack(expected[layer], dim=1), atol=1e-5), layer
+    # negative control: a copy that keeps the newest token (fed twice) changes layer 1's queries
+    real_copy = lookahead.resident_copy
+    monkeypatch.setattr(lookahead, "resident_copy", lambda view, extra, drop_newest=0: real_copy(view, extra))
+    doubled, _ = lookahead.draft_queries(view, DRAFT)
+    assert not torch.allclose(doubled[1], torch.stack(expected[1], dim=1), atol=1e-3)
+
+
+@torch.no_grad()
+def test_lookahead_share_of_the_newest_token_is_the_attention_its_forward_paid(tiny_model):
+    """Nothing offloaded: the first drafted query is the newest token's, so its share over the blocks is the
+    attention the decode step computed (``window_attention_share``, itself checked against the forward)."""
+    _, view, _, _ = decode_view(tiny_model)
+    queries, first = lookahead.draft_queries(view, 1)
+    assert torch.allclose(view.attention_share(queries, first), view.window_attention_share, atol=1e-5)
+
+
+@torch.no_grad()
+def test_the_ranker_drafts_only_at_the_answers_decision_points(tiny_model, monkeypatch):
+    cache, view, ids, _ = decode_view(tiny_model, host_blocks=8)
+    calls = []
+
+    def scores(view, tokens):
+        calls.append((view.phase, tokens))
+        share = torch.zeros(view.num_layers, view.num_blocks)
+        share[:, 2] = 1.0  # block 2 is what the draft reads
+        return share
+
+    monkeypatch.setattr("agents.ranker.controller.lookahead_scores", scores)
+    controller = make_controller("ranker:policies/ranker_smollm2.pt,lookahead=4,merge=false")
+    plain = make_controller("ranker:policies/ranker_smollm2.pt,merge=false")
+    controller.scores = plain.scores = lambda view: (np.arange(view.num_blocks, dtype=np.float64)[None].repeat(2, 0), None)
+    decided = controller.decide(view)  # the policy alone keeps the newest blocks
+    assert calls == [("decode", 4)]
+    assert decided.device[:, 2].all() and not plain.decide(view).device[:, 2].any()  # negative control: no draft
+    for phase in ("prefill", "question"):
+        other = CacheView.from_cache(cache, [4, 4], phase=phase, model=tiny_model, token_ids=torch.tensor(ids))
+        assert np.array_equal(controller.decide(other).device, plain.decide(other).device)
+    assert calls == [("decode", 4)]
+    assert (view.tier[:, 2] == Tier.DEVICE).all()  # the draft ran on a copy: the cache itself is unchanged
+    for bad in ("-1", "1.5", "65"):
+        with pytest.raises(ValueError, match="lookahead"):
+            make_controller(f"ranker:policies/ranker_smollm2.pt,lookahead={bad}")
