@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from agents.ranker.lookahead import lookahead_scores
 from agents.ranker.model import load_ranker
 from cache.controller import CacheView, Decision
-from agents.ranker.lookahead import lookahead_scores
 from cache.ranking import check_blind_phase, keep_top, policy_features, within_layer_rank
 
 MAX_STAY = 100.0  # beyond this every resident block outranks every other: the ranking stops mattering
