@@ -40,6 +40,7 @@ CONTROLLERS: dict[str, str] = {
     "pyramidkv": "agents.baselines.pyramidkv:PyramidKV",
     "observed_attention": "agents.baselines.observed_attention:ObservedAttention",
     "oracle": "agents.baselines.oracle:Oracle",
+    "lookahead": "agents.baselines.lookahead:Lookahead",
     "ranker": "agents.ranker.controller:RankerController",
 }
 

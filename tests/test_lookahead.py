@@ -1,4 +1,4 @@
-"""Lookahead (``agents.ranker.lookahead``): the drafted tokens' queries are the ones the cache itself computes when
+"""Lookahead (``agents.baselines.lookahead``): the drafted tokens' queries are the ones the cache itself computes when
 it decodes those tokens (reference: the cache's own forwards, nothing offloaded), and the ranker uses them only at
 the answer's decision points."""
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-import agents.ranker.lookahead as lookahead
+import agents.baselines.lookahead as lookahead
 from agents.registry import make_controller
-from cache.controller import CacheView
+from cache.controller import CacheView, Op
 from cache.paged_cache import CacheConfig, PagedKVCache
 from cache.tiers import Tier
 
@@ -83,3 +83,19 @@ def test_the_ranker_drafts_only_at_the_answers_decision_points(tiny_model, monke
     for bad in ("-1", "1.5", "65"):
         with pytest.raises(ValueError, match="lookahead"):
             make_controller(f"ranker:policies/ranker_smollm2.pt,lookahead={bad}")
+
+
+@torch.no_grad()
+def test_lookahead_baseline_is_its_base_but_at_the_answers_decision_points(tiny_model, monkeypatch):
+    cache, view, ids, _ = decode_view(tiny_model, host_blocks=8)
+    monkeypatch.setattr(lookahead, "lookahead_scores", lambda view, tokens: torch.eye(view.num_blocks)[2].repeat(2, 1))
+    wrapped, base = make_controller("lookahead:tova,tokens=4"), make_controller("tova")
+    assert wrapped.decide(view).device[:, 2].all()
+    # negative control: TOVA alone sends block 2 away
+    assert {d.op for d in base.decide(view) if d.block == 2} <= {Op.EVICT, Op.MERGE} and any(
+        d.block == 2 for d in base.decide(view))
+    question = CacheView.from_cache(cache, [4, 4], phase="question", model=tiny_model, token_ids=torch.tensor(ids))
+    assert sorted(wrapped.decide(question)) == sorted(base.decide(question))
+    for spec in ("lookahead:oracle", "lookahead:bogus", "lookahead:tova,tokens=0", "lookahead:tova,stay=-1"):
+        with pytest.raises(ValueError, match="lookahead"):
+            make_controller(spec)

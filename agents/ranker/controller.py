@@ -9,7 +9,7 @@ during the prefill may be the one the answer needs; default: ``stay``), ``blind_
 instead (one trained for them, e.g. on KVzip's scores: `python -m benchmarks.ranker_tools train --target teacher`), and
 ``blind_prefill``: it also makes the question-blind decisions of a streamed prefill; every other decision stays
 ``PATH``'s. ``lookahead`` (tokens): at the answer's decision points the blocks rank by the attention of that many
-tokens drafted ahead on the device blocks (``agents.ranker.lookahead``), the policy's scores breaking ties."""
+tokens drafted ahead on the device blocks (``agents.baselines.lookahead``), the policy's scores breaking ties."""
 
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agents.ranker.lookahead import lookahead_scores
+from agents.baselines.lookahead import check_tokens, lookahead_scores
 from agents.ranker.model import load_ranker
 from cache.controller import CacheView, Decision
 from cache.ranking import check_blind_phase, keep_top, policy_features, within_layer_rank
 
 MAX_STAY = 100.0  # beyond this every resident block outranks every other: the ranking stops mattering
-MAX_LOOKAHEAD = 64
 
 
 @dataclass
@@ -41,7 +40,7 @@ class RankerController:
     blind: str = ""  # a ranker file for the question-blind one-shot compressions ("": PATH's decides them too)
     blind_prefill: bool = False  # the blind file also decides a streamed prefill's decisions (question not read)
     # > 0: at the answer's decision points, blocks rank by the attention of this many tokens drafted ahead
-    # (agents.ranker.lookahead), the policy's scores breaking ties
+    # (agents.baselines.lookahead), the policy's scores breaking ties
     lookahead: int = 0
     lookahead_question: bool = False  # the question's decision point drafts too (from its last token read)
     _model: object = field(default=None, init=False, repr=False)
@@ -56,9 +55,7 @@ class RankerController:
             if not 0.0 <= value <= MAX_STAY:  # also refuses NaN
                 raise ValueError(f"ranker: {name}={value!r} is outside 0..{MAX_STAY:g} (score standard deviations a "
                                  "resident block is lifted by; 2 is the shipped setting)")
-        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or not 0 <= self.lookahead <= MAX_LOOKAHEAD:
-            raise ValueError(f"ranker: lookahead={self.lookahead!r}: an integer 0..{MAX_LOOKAHEAD} (tokens drafted "
-                             "ahead at the answer's decision points; 0: none)")
+        check_tokens(self.lookahead, "ranker: lookahead")
         if self.blind_prefill and not self.blind:
             raise ValueError("ranker: blind_prefill=true needs a blind file (blind=PATH) to make those decisions")
         model, self.summary = load_ranker(self.path)
