@@ -42,7 +42,6 @@ class RankerController:
     # > 0: at the answer's decision points, blocks rank by the attention of this many tokens drafted ahead
     # (agents.baselines.lookahead), the policy's scores breaking ties
     lookahead: int = 0
-    lookahead_question: bool = False  # the question's decision point drafts too (from its last token read)
     _model: object = field(default=None, init=False, repr=False)
     _blind_model: object = field(default=None, init=False, repr=False)
 
@@ -70,7 +69,7 @@ class RankerController:
 
     def decide(self, view: CacheView) -> list[Decision]:
         keep, merge = self.scores(view)
-        if self.lookahead and (view.phase == "decode" or (self.lookahead_question and view.phase == "question")):
+        if self.lookahead and view.phase == "decode":
             share = lookahead_scores(view, self.lookahead).numpy()
             scaled = share / np.maximum(share.max(axis=1, keepdims=True), 1e-12)
             keep = scaled + 1e-3 * within_layer_rank(keep.astype(np.float32), view.live_blocks.numpy())

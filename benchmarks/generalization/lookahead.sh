@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 36, fifth session: the 12.5% gap is in the answer's decisions, and a draft that looks ahead. Choices on the
+# *validation* families (harness seed 9), the held-out families (seed 7) run once after the choice. Each folder is
+# seeded with the full cache's records (same samples: not run again); one process per budget, one thread each.
+set -euo pipefail
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TQDM_DISABLE=1
+P=policies/ranker_smollm2.pt
+S="kvgym eval --no-plots --lengths 2048 --protocol streaming --no-chat --host-blocks 512 --batch-runs"
+per_budget() {  # per_budget SPLIT SEED N FULL OUT CONTROLLERS [extra eval flags]
+  for b in 0.125 0.25; do
+    mkdir -p "$5_$b"; [ -s "$5_$b/samples.jsonl" ] || grep '"controller": "full"' "$4" > "$5_$b/samples.jsonl"
+    $S --seed "$2" --n "$3" --family-split "$1" --budgets $b --out "$5_$b" --controllers "$6" "${@:7}" &
+  done; wait
+}
+VAL=out/val_stream_2k_plain/samples.jsonl  # the validation folder of exact_window.sh
+# the shipped file decides the prefill and the question, the prefetching oracle the answer's decisions
+per_budget validation 9 20 $VAL out/val_split "oracle:prefetch=true,prefill_ranker=$P,ranker_phases=prefill+question"
+# decisions at every decode step (the same controller; its records kept apart: they share its name)
+per_budget validation 9 20 $VAL out/val_de1 "ranker:$P,stay=2,question_stay=0" --decide-every 1
+# the draft at the answer's decision points (chosen here: best summed accuracy, ties to fewer bytes)
+per_budget validation 9 20 $VAL out/val_la "ranker:$P,stay=2,question_stay=0,lookahead=8"
+# held-out, once: the chosen setting, and the draft behind the best heuristics of the 2k table (what the draft adds
+# without the policy)
+per_budget heldout 7 30 out/heldout_stream_2k_plain/samples.jsonl out/heldout_lookahead \
+  "ranker:$P,stay=2,question_stay=0,lookahead=8,lookahead:snapkv,lookahead:knorm"
