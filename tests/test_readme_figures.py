@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICY = "ranker:policies/ranker_smollm2.pt,stay=2,question_stay=0"
+POLICY = "ranker:policies/ranker_smollm2.pt,stay=2,question_stay=0,lookahead=8"
 
 
 def _percent(value: float) -> str:

@@ -19,7 +19,17 @@ per_budget validation 9 20 $VAL out/val_split "oracle:prefetch=true,prefill_rank
 per_budget validation 9 20 $VAL out/val_de1 "ranker:$P,stay=2,question_stay=0" --decide-every 1
 # the draft at the answer's decision points (chosen here: best summed accuracy, ties to fewer bytes)
 per_budget validation 9 20 $VAL out/val_la "ranker:$P,stay=2,question_stay=0,lookahead=8"
-# held-out, once: the chosen setting, and the draft behind the best heuristics of the 2k table (what the draft adds
-# without the policy)
-per_budget heldout 7 30 out/heldout_stream_2k_plain/samples.jsonl out/heldout_lookahead \
-  "ranker:$P,stay=2,question_stay=0,lookahead=8,lookahead:snapkv,lookahead:knorm"
+# held-out, once: the chosen setting; then the draft behind the best heuristic of each 2k cell (SnapKV at 0.25, Knorm
+# at 0.125): what the draft adds without the policy (one per budget, for CPU time)
+HELD=out/heldout_stream_2k_plain/samples.jsonl
+per_budget heldout 7 30 $HELD out/heldout_lookahead "ranker:$P,stay=2,question_stay=0,lookahead=8"
+$S --seed 7 --n 30 --family-split heldout --budgets 0.25 --out out/heldout_lookahead_0.25 --controllers lookahead:snapkv &
+$S --seed 7 --n 30 --family-split heldout --budgets 0.125 --out out/heldout_lookahead_0.125 --controllers lookahead:knorm &
+wait
+# no loss on the project's own templates (chat, the first 10 seed-7 samples per task; the full cache's records from
+# the window-vote file's run, out/own_templates_stream_2k_v3)
+for b in 0.125 0.25; do
+  mkdir -p out/own_la_$b; [ -s out/own_la_$b/samples.jsonl ] || grep '"controller": "full"' out/own_templates_stream_2k_v3/samples.jsonl > out/own_la_$b/samples.jsonl
+  kvgym eval --protocol streaming --host-blocks 512 --lengths 2048 --seed 7 --n 10 --budgets $b --batch-runs --no-plots \
+    --tasks passkey,niah_single,niah_multikey --controllers "ranker:$P,stay=2,question_stay=0,lookahead=8" --out out/own_la_$b &
+done; wait
