@@ -33,3 +33,8 @@ for b in 0.125 0.25; do
   kvgym eval --protocol streaming --host-blocks 512 --lengths 2048 --seed 7 --n 10 --budgets $b --batch-runs --no-plots \
     --tasks passkey,niah_single,niah_multikey --controllers "ranker:$P,stay=2,question_stay=0,lookahead=8" --out out/own_la_$b &
 done; wait
+# the chat-template cell at 0.125 (the full cache's and the no-draft records from out/heldout_stream_2k_chat_v3)
+mkdir -p out/heldout_chat_lookahead_0.125
+[ -s out/heldout_chat_lookahead_0.125/samples.jsonl ] || grep '"controller": "full"' out/heldout_stream_2k_chat_v3/samples.jsonl > out/heldout_chat_lookahead_0.125/samples.jsonl
+kvgym eval --no-plots --lengths 2048 --seed 7 --protocol streaming --host-blocks 512 --budgets 0.125 --n 30 --family-split heldout \
+  --batch-runs --controllers "ranker:$P,stay=2,question_stay=0,lookahead=8" --out out/heldout_chat_lookahead_0.125
