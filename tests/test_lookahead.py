@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import agents.baselines.lookahead as lookahead
-from agents.registry import make_controller
+from agents.registry import BASELINES, make_controller
 from cache.controller import CacheView, Op
 from cache.paged_cache import CacheConfig, PagedKVCache
+from cache.runner import Runner
 from cache.tiers import Tier
 
 DRAFT = 3
@@ -99,3 +100,16 @@ def test_lookahead_baseline_is_its_base_but_at_the_answers_decision_points(tiny_
     for spec in ("lookahead:oracle", "lookahead:bogus", "lookahead:tova,tokens=0", "lookahead:tova,stay=-1"):
         with pytest.raises(ValueError, match="lookahead"):
             make_controller(spec)
+
+
+@pytest.mark.parametrize("base", [name for name in BASELINES if name not in lookahead.NOT_A_BASE])
+def test_every_baseline_runs_behind_the_draft_within_its_budget(tiny_model, base):
+    """A streamed run with a host tier: the base's decisions, then the draft's at the answer; no fallback, the
+    budget held on every layer."""
+    runner = Runner(tiny_model, controller=make_controller(f"lookahead:{base},tokens=3"), budget=5, prefill_chunk=32,
+                    decide_every=3, cache_config=CacheConfig(host_blocks=64))
+    result = runner.run(torch.randint(2, 256, (1, 200), generator=torch.Generator().manual_seed(0)), max_new_tokens=12,
+                        stop_at_eos=False)
+    assert result.fallbacks == 0 and len(result.new_tokens) == 12
+    assert all(device <= budget for device, budget in zip(result.blocks_per_tier["device"], result.budget_blocks,
+                                                          strict=True))
