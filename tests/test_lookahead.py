@@ -105,11 +105,15 @@ def test_lookahead_baseline_is_its_base_but_at_the_answers_decision_points(tiny_
 @pytest.mark.parametrize("base", [name for name in BASELINES if name not in lookahead.NOT_A_BASE])
 def test_every_baseline_runs_behind_the_draft_within_its_budget(tiny_model, base):
     """A streamed run with a host tier: the base's decisions, then the draft's at the answer; no fallback, the
-    budget held on every layer."""
-    runner = Runner(tiny_model, controller=make_controller(f"lookahead:{base},tokens=3"), budget=5, prefill_chunk=32,
-                    decide_every=3, cache_config=CacheConfig(host_blocks=64))
+    budget held on every layer (under the base's global budget, KVzip's, in total)."""
+    controller = make_controller(f"lookahead:{base},tokens=3")
+    runner = Runner(tiny_model, controller=controller, budget=5, prefill_chunk=32, decide_every=3,
+                    cache_config=CacheConfig(host_blocks=64))
     result = runner.run(torch.randint(2, 256, (1, 200), generator=torch.Generator().manual_seed(0)), max_new_tokens=12,
                         stop_at_eos=False)
     assert result.fallbacks == 0 and len(result.new_tokens) == 12
-    assert all(device <= budget for device, budget in zip(result.blocks_per_tier["device"], result.budget_blocks,
-                                                          strict=True))
+    device = result.blocks_per_tier["device"]
+    if getattr(controller, "budget_scope", "layer") == "global":  # KVzip's: only the total holds (kvpress)
+        assert sum(device) <= sum(result.budget_blocks) <= 10
+    else:
+        assert all(d <= b for d, b in zip(device, result.budget_blocks, strict=True))
