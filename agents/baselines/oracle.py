@@ -68,7 +68,7 @@ class Oracle:
         if not self.stay >= 0:  # also refuses NaN
             raise ValueError(f"oracle stay: expected a margin >= 0 (standard deviations of a layer's scores), got {self.stay!r}")
         phases = self.ranker_phases.split("+")
-        if not phases or any(phase not in ("prefill", "question", "decode") for phase in phases):
+        if any(phase not in ("prefill", "question", "decode") for phase in phases):  # "" splits to [""]: refused
             raise ValueError(f"oracle ranker_phases {self.ranker_phases!r}: '+'-joined phases of prefill, question, "
                              "decode (the ones prefill_ranker decides)")
         self._ranker_phases = set(phases)
