@@ -370,6 +370,21 @@ class CacheView:
             return None
         return self.attention_share(self.window_queries, self.seen - self.window_queries[0].shape[1])
 
+    def block_tensors(self, layer: int, blocks: torch.Tensor, values: bool = True) -> tuple[torch.Tensor, ...]:
+        """``(keys, values, log_weights)`` of ``layer``'s ``blocks`` (``[n, block_size, kv_heads, …]`` on the CPU),
+        each read from its tier's pool where it lies; ``values=False``: values left empty, not read."""
+        cache, tiers, physical = self.cache, self.tier[layer, blocks], self.cache.tables.physical[layer, blocks]
+        pool = cache.device_pool(layer)
+        keys = torch.empty((len(blocks), *pool.keys.shape[1:]), dtype=pool.keys.dtype)
+        kept_values, log_weights = torch.empty_like(keys), torch.empty((len(blocks), *pool.log_weights.shape[1:]))
+        for tier in torch.unique(tiers).tolist():
+            here, pool = tiers == tier, cache.pools[layer][Tier(tier)]
+            rows = physical[here].to(pool.keys.device)
+            keys[here], log_weights[here] = pool.keys[rows].cpu(), pool.log_weights[rows].cpu()
+            if values:
+                kept_values[here] = pool.values[rows].cpu()
+        return keys, kept_values, log_weights
+
     def attention_share(self, queries_by_layer: list[torch.Tensor], first_position: int) -> torch.Tensor:
         """``[L, N, heads]``: ``window_attention_share`` for any queries (``[heads, q, dim]`` per layer, post-RoPE,
         at positions ``first_position`` onward), e.g. those of tokens drafted ahead."""
@@ -380,14 +395,8 @@ class CacheView:
         query_positions = torch.arange(first_position, first_position + q)
         for layer, queries in enumerate(queries_by_layer):
             blocks = torch.nonzero(self.live_blocks[layer]).flatten()
-            tiers, physical = self.tier[layer, blocks], cache.tables.physical[layer, blocks]
-            keys = torch.empty(len(blocks), size, kv_heads, dim)
-            log_weights = torch.zeros(len(blocks), size, kv_heads)
-            for tier in torch.unique(tiers).tolist():  # each tier's blocks read from its own pool, in place
-                here, pool = tiers == tier, cache.pools[layer][Tier(tier)]
-                rows = physical[here].to(pool.keys.device)
-                keys[here] = pool.keys[rows].float().cpu()
-                log_weights[here] = pool.log_weights[rows].cpu()
+            keys, _, log_weights = self.block_tensors(layer, blocks, values=False)
+            keys = keys.float()
             positions = blocks[:, None] * size + torch.arange(size)
             usable = (torch.arange(size) < self.num_tokens[layer, blocks, None]).flatten()
             allowed = usable[None, :] & (positions.flatten()[None, :] <= query_positions[:, None])  # [q, T]

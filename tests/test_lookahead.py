@@ -8,8 +8,9 @@ import torch
 
 import agents.baselines.lookahead as lookahead
 from agents.registry import BASELINES, make_controller
-from cache.controller import CacheView, Op
+from cache.controller import CacheView, Decision, Op, apply_decisions
 from cache.paged_cache import CacheConfig, PagedKVCache
+from cache.ranking import keep_top
 from cache.runner import Runner
 from cache.tiers import Tier
 
@@ -44,7 +45,7 @@ def test_drafted_queries_are_the_queries_of_the_greedy_continuation(tiny_model, 
         assert torch.allclose(queries[layer], torch.stack(expected[layer], dim=1), atol=1e-5), layer
     # negative control: a copy that keeps the newest token (fed twice) changes layer 1's queries
     real_copy = lookahead.resident_copy
-    monkeypatch.setattr(lookahead, "resident_copy", lambda view, extra, drop_newest=0: real_copy(view, extra))
+    monkeypatch.setattr(lookahead, "resident_copy", lambda view, extra, drop_newest=0, chosen=None: real_copy(view, extra))
     doubled, _ = lookahead.draft_queries(view, DRAFT)
     assert not torch.allclose(doubled[1], torch.stack(expected[1], dim=1), atol=1e-3)
 
@@ -58,38 +59,75 @@ def test_lookahead_share_of_the_newest_token_is_the_attention_its_forward_paid(t
     assert torch.allclose(view.attention_share(queries, first), view.window_attention_share, atol=1e-5)
 
 
+def offload(cache, model, ids, blocks=(2, 3)):
+    """Send ``blocks`` of both layers to the host; the decode view after it."""
+    apply_decisions(cache, [Decision(layer, block, Op.EVICT) for layer in (0, 1) for block in blocks])
+    view = CacheView.from_cache(cache, [4, 4], phase="decode", model=model, token_ids=torch.tensor(ids))
+    assert (view.tier[:, list(blocks)] == Tier.HOST).all()
+    return view
+
+
+@torch.no_grad()
+def test_a_draft_on_a_chosen_set_reads_offloaded_blocks_where_they_lie(tiny_model):
+    """Offloaded blocks chosen back: the draft is the one the cache made before it offloaded them."""
+    cache, view, ids, _ = decode_view(tiny_model, host_blocks=8)
+    reference, first = lookahead.draft_queries(view, DRAFT)  # nothing offloaded yet
+    view = offload(cache, tiny_model, ids)
+    queries, chosen_first = lookahead.draft_queries(view, DRAFT, view.live_blocks)
+    assert chosen_first == first
+    for layer in range(2):
+        assert torch.allclose(queries[layer], reference[layer], atol=1e-5), layer
+    device_only, _ = lookahead.draft_queries(view, DRAFT)  # negative control: without the offloaded blocks
+    assert not torch.allclose(device_only[1], reference[1], atol=1e-3)
+
+
+@torch.no_grad()
+def test_each_round_drafts_on_the_set_the_previous_round_chose(tiny_model, monkeypatch):
+    cache, _, ids, _ = decode_view(tiny_model, host_blocks=8)
+    view = offload(cache, tiny_model, ids)
+    real, sets = lookahead.draft_queries, []
+    monkeypatch.setattr(lookahead, "draft_queries", lambda view, tokens, chosen=None: sets.append(chosen) or real(
+        view, tokens, chosen))
+    share = lookahead.lookahead_scores(view, DRAFT, rounds=2)
+    first = view.attention_share(*real(view, DRAFT)).amax(dim=-1)
+    assert sets[0] is None and torch.equal(sets[1], torch.from_numpy(keep_top(view, first.numpy()).device))
+    assert (sets[1] & (view.tier == Tier.HOST)).any()  # the second draft reads an offloaded block
+    assert torch.allclose(share, view.attention_share(*real(view, DRAFT, sets[1])).amax(dim=-1))
+    assert torch.allclose(lookahead.lookahead_scores(view, DRAFT), first)  # one round: the device blocks' draft
+
+
 @torch.no_grad()
 def test_the_ranker_drafts_only_at_the_answers_decision_points(tiny_model, monkeypatch):
     cache, view, ids, _ = decode_view(tiny_model, host_blocks=8)
     calls = []
 
-    def scores(view, tokens):
-        calls.append((view.phase, tokens))
+    def scores(view, tokens, rounds):
+        calls.append((view.phase, tokens, rounds))
         share = torch.zeros(view.num_layers, view.num_blocks)
         share[:, 2] = 1.0  # block 2 is what the draft reads
         return share
 
     monkeypatch.setattr("agents.ranker.controller.lookahead_scores", scores)
-    controller = make_controller("ranker:policies/ranker_smollm2.pt,lookahead=4,merge=false")
+    controller = make_controller("ranker:policies/ranker_smollm2.pt,lookahead=4,lookahead_rounds=2,merge=false")
     plain = make_controller("ranker:policies/ranker_smollm2.pt,merge=false")
     controller.scores = plain.scores = lambda view: (np.arange(view.num_blocks, dtype=np.float64)[None].repeat(2, 0), None)
     decided = controller.decide(view)  # the policy alone keeps the newest blocks
-    assert calls == [("decode", 4)]
+    assert calls == [("decode", 4, 2)]
     assert decided.device[:, 2].all() and not plain.decide(view).device[:, 2].any()  # negative control: no draft
     for phase in ("prefill", "question"):
         other = CacheView.from_cache(cache, [4, 4], phase=phase, model=tiny_model, token_ids=torch.tensor(ids))
         assert np.array_equal(controller.decide(other).device, plain.decide(other).device)
-    assert calls == [("decode", 4)]
+    assert calls == [("decode", 4, 2)]
     assert (view.tier[:, 2] == Tier.DEVICE).all()  # the draft ran on a copy: the cache itself is unchanged
-    for bad in ("-1", "1.5", "65"):
+    for bad in ("lookahead=-1", "lookahead=1.5", "lookahead=65", "lookahead_rounds=0", "lookahead_rounds=5"):
         with pytest.raises(ValueError, match="lookahead"):
-            make_controller(f"ranker:policies/ranker_smollm2.pt,lookahead={bad}")
+            make_controller(f"ranker:policies/ranker_smollm2.pt,{bad}")
 
 
 @torch.no_grad()
 def test_lookahead_baseline_is_its_base_but_at_the_answers_decision_points(tiny_model, monkeypatch):
     cache, view, ids, _ = decode_view(tiny_model, host_blocks=8)
-    monkeypatch.setattr(lookahead, "lookahead_scores", lambda view, tokens: torch.eye(view.num_blocks)[2].repeat(2, 1))
+    monkeypatch.setattr(lookahead, "lookahead_scores", lambda view, tokens, rounds: torch.eye(view.num_blocks)[2].repeat(2, 1))
     wrapped, base = make_controller("lookahead:tova,tokens=4"), make_controller("tova")
     assert wrapped.decide(view).device[:, 2].all()
     # negative control: TOVA alone sends block 2 away
@@ -97,7 +135,8 @@ def test_lookahead_baseline_is_its_base_but_at_the_answers_decision_points(tiny_
         d.block == 2 for d in base.decide(view))
     question = CacheView.from_cache(cache, [4, 4], phase="question", model=tiny_model, token_ids=torch.tensor(ids))
     assert sorted(wrapped.decide(question)) == sorted(base.decide(question))
-    for spec in ("lookahead:oracle", "lookahead:bogus", "lookahead:tova,tokens=0", "lookahead:tova,stay=-1"):
+    for spec in ("lookahead:oracle", "lookahead:bogus", "lookahead:tova,tokens=0", "lookahead:tova,stay=-1",
+                 "lookahead:tova,rounds=0"):
         with pytest.raises(ValueError, match="lookahead"):
             make_controller(spec)
 

@@ -108,25 +108,31 @@ def repeat_inputs(model, token_ids: list[int], chunk_size: int) -> list[tuple[in
     return passes
 
 
-def resident_copy(view: CacheView, extra_tokens: int, drop_newest: int = 0) -> tuple[PagedKVCache, list[torch.Tensor]]:
+def resident_copy(view: CacheView, extra_tokens: int, drop_newest: int = 0,
+                  chosen: torch.Tensor | None = None) -> tuple[PagedKVCache, list[torch.Tensor]]:
     """A fresh cache holding a copy of each layer's device tokens (packed in position order; the newest
     ``drop_newest`` tokens left out) and room for ``extra_tokens`` more, recording every query of forwards of up to
     ``PIECE_TOKENS`` tokens (``stats_window``) and each block's largest single-query attention; and each layer's
-    device blocks, whose ``i``-th is the copy's block ``i``."""
+    device blocks, whose ``i``-th is the copy's block ``i``. ``chosen`` (``[L, N]`` bool): copy these blocks
+    instead, read where they lie (a device set being considered; it must hold each layer's newest block)."""
     source, bs = view.cache, view.cache.block_size
     config = CacheConfig(block_size=bs, max_tokens=view.seen + extra_tokens, stats_window=PIECE_TOKENS,
                          track_query_max=True, sink_blocks=source.config.sink_blocks)
     copy = PagedKVCache(source.model_config, config)
     resident = []
     for layer in range(view.num_layers):
-        blocks = torch.nonzero(view.tier[layer] == Tier.DEVICE).flatten()
+        blocks = torch.nonzero(view.tier[layer] == Tier.DEVICE if chosen is None else chosen[layer]).flatten()
         counts = view.num_tokens[layer, blocks]
         if bool((counts[:-1] != bs).any()):
-            raise ValueError(f"KVzip: layer {layer} has a partly filled device block before its newest one")
+            raise ValueError(f"KVzip: layer {layer} has a partly filled block before its newest one among those copied")
         pool = source.device_pool(layer)
         valid = (torch.arange(bs)[None] < counts[:, None]).to(pool.keys.device)
-        physical = source.tables.physical[layer, blocks].to(pool.keys.device)
-        keys, values = pool.keys[physical][valid], pool.values[physical][valid]  # [T, kv_heads, dim]
+        if chosen is None:  # in place on the device
+            physical = source.tables.physical[layer, blocks].to(pool.keys.device)
+            keys, values = pool.keys[physical][valid], pool.values[physical][valid]  # [T, kv_heads, dim]
+        else:
+            keys, values, _ = view.block_tensors(layer, blocks)
+            keys, values = keys.to(pool.keys.device)[valid], values.to(pool.keys.device)[valid]
         keys, values = keys[: len(keys) - drop_newest], values[: len(values) - drop_newest]
         copy.update(keys.transpose(0, 1)[None], values.transpose(0, 1)[None], layer)
         resident.append(blocks)

@@ -14,7 +14,10 @@ answer: ``CacheView.attention_share`` scores every live block exactly against th
 Cost per decision: ``tokens`` forwards over the device blocks (the budget's tokens, not the context) and one
 attention pass of ``tokens`` queries over the whole cache.
 
-``Lookahead`` (``lookahead:BASE,tokens=8,stay=0``): the baseline ``BASE`` (by name, its default parameters) makes
+``rounds`` > 1 drafts again on the device set the previous draft's scores choose, read where its blocks lie (a draft
+that could not read the needle asks for it; the next one reads it and drafts the answer itself).
+
+``Lookahead`` (``lookahead:BASE,tokens=8,stay=0,rounds=1``): the baseline ``BASE`` (by name, its default parameters) makes
 every decision but the answer's; at the answer's decision points (phase ``decode``) each layer keeps its pinned
 blocks and the blocks the draft attends most (``keep_top``, with hysteresis ``stay``), prefetching from the host."""
 
@@ -28,18 +31,20 @@ from agents.baselines.kvzip import resident_copy
 from cache.controller import CacheView, Decision
 
 MAX_TOKENS = 64
+MAX_ROUNDS = 4
 NOT_A_BASE = ("lookahead", "oracle", "full")  # a base must decide causally, and decide at all
 
 
 @torch.no_grad()
-def draft_queries(view: CacheView, tokens: int) -> tuple[list[torch.Tensor], int]:
+def draft_queries(view: CacheView, tokens: int, chosen: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int]:
     """``([heads, tokens, dim] per layer, first position)``: the queries of the newest token (fed again) and of
-    ``tokens - 1`` tokens greedily drafted after it on a copy of the device blocks."""
+    ``tokens - 1`` tokens greedily drafted after it on a copy of the device blocks (``chosen``, ``[L, N]`` bool:
+    of these blocks instead)."""
     if view.model is None or view.token_ids is None or view.seen == 0:
         raise ValueError("lookahead: the decision point carries no model or tokens to draft with")
     model = view.model
     device = next(model.parameters()).device
-    copy, _ = resident_copy(view, tokens + 1, drop_newest=1)
+    copy, _ = resident_copy(view, tokens + 1, drop_newest=1, chosen=chosen)
     token, position = int(view.token_ids.flatten()[-1]), view.seen - 1
     queries: list[list[torch.Tensor]] = [[] for _ in range(view.num_layers)]
     for _ in range(tokens):
@@ -52,11 +57,18 @@ def draft_queries(view: CacheView, tokens: int) -> tuple[list[torch.Tensor], int
     return [torch.stack(by_layer, dim=1) for by_layer in queries], view.seen - 1
 
 
-def lookahead_scores(view: CacheView, tokens: int) -> torch.Tensor:
+def lookahead_scores(view: CacheView, tokens: int, rounds: int = 1) -> torch.Tensor:
     """``[L, N]``: each live block's attention share from the drafted queries (max over query heads, mean over
-    the drafted tokens); 0 for the others."""
-    queries, first = draft_queries(view, tokens)
-    return view.attention_share(queries, first).amax(dim=-1)
+    the drafted tokens); 0 for the others. Each round after the first drafts again on the device set the previous
+    round's scores choose (the blocks a draft on the device blocks alone could not read, fetched for the next)."""
+    from cache.ranking import keep_top
+
+    share = None
+    for _ in range(rounds):
+        chosen = None if share is None else torch.from_numpy(keep_top(view, share.numpy()).device)
+        queries, first = draft_queries(view, tokens, chosen)
+        share = view.attention_share(queries, first).amax(dim=-1)
+    return share
 
 
 def check_tokens(tokens, name: str) -> None:
@@ -66,6 +78,13 @@ def check_tokens(tokens, name: str) -> None:
                          "decision points; 0: none)")
 
 
+def check_rounds(rounds, name: str) -> None:
+    """Refuse a number of draft rounds that is not an integer 1..MAX_ROUNDS."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= MAX_ROUNDS:
+        raise ValueError(f"{name}={rounds!r}: an integer 1..{MAX_ROUNDS} (drafts per decision, each on the "
+                         "device set the previous one chose)")
+
+
 @dataclass
 class Lookahead:
     """A baseline with the draft's ranking at the answer's decision points (module docstring)."""
@@ -73,6 +92,7 @@ class Lookahead:
     base: str = "snapkv"
     tokens: int = 8
     stay: float = 0.0
+    rounds: int = 1
     _base: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -84,6 +104,7 @@ class Lookahead:
         check_tokens(self.tokens, "lookahead tokens")
         if self.tokens == 0:
             raise ValueError("lookahead tokens=0: nothing to draft (use the base itself)")
+        check_rounds(self.rounds, "lookahead rounds")
         if not self.stay >= 0:  # also refuses NaN
             raise ValueError(f"lookahead stay: expected a margin >= 0 (standard deviations of a layer's scores), got {self.stay!r}")
         self._base = make_controller(self.base)
@@ -96,4 +117,4 @@ class Lookahead:
             return self._base.decide(view)
         from cache.ranking import keep_top
 
-        return keep_top(view, lookahead_scores(view, self.tokens).numpy(), stay=self.stay)
+        return keep_top(view, lookahead_scores(view, self.tokens, self.rounds).numpy(), stay=self.stay)

@@ -9,7 +9,8 @@ during the prefill may be the one the answer needs; default: ``stay``), ``blind_
 instead (one trained for them, e.g. on KVzip's scores: `python -m benchmarks.ranker_tools train --target teacher`), and
 ``blind_prefill``: it also makes the question-blind decisions of a streamed prefill; every other decision stays
 ``PATH``'s. ``lookahead`` (tokens): at the answer's decision points the blocks rank by the attention of that many
-tokens drafted ahead on the device blocks (``agents.baselines.lookahead``), the policy's scores breaking ties."""
+tokens drafted ahead on the device blocks (``agents.baselines.lookahead``), the policy's scores breaking ties;
+``lookahead_rounds``: drafts per such decision, each on the device set the previous one chose."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agents.baselines.lookahead import check_tokens, lookahead_scores
+from agents.baselines.lookahead import check_rounds, check_tokens, lookahead_scores
 from agents.ranker.model import load_ranker
 from cache.controller import CacheView, Decision
 from cache.ranking import check_blind_phase, keep_top, policy_features, within_layer_rank
@@ -42,6 +43,7 @@ class RankerController:
     # > 0: at the answer's decision points, blocks rank by the attention of this many tokens drafted ahead
     # (agents.baselines.lookahead), the policy's scores breaking ties
     lookahead: int = 0
+    lookahead_rounds: int = 1  # drafts per such decision, each on the device set the previous one chose
     _model: object = field(default=None, init=False, repr=False)
     _blind_model: object = field(default=None, init=False, repr=False)
 
@@ -55,6 +57,7 @@ class RankerController:
                 raise ValueError(f"ranker: {name}={value!r} is outside 0..{MAX_STAY:g} (score standard deviations a "
                                  "resident block is lifted by; 2 is the shipped setting)")
         check_tokens(self.lookahead, "ranker: lookahead")
+        check_rounds(self.lookahead_rounds, "ranker: lookahead_rounds")
         if self.blind_prefill and not self.blind:
             raise ValueError("ranker: blind_prefill=true needs a blind file (blind=PATH) to make those decisions")
         model, self.summary = load_ranker(self.path)
@@ -70,7 +73,7 @@ class RankerController:
     def decide(self, view: CacheView) -> list[Decision]:
         keep, merge = self.scores(view)
         if self.lookahead and view.phase == "decode":
-            share = lookahead_scores(view, self.lookahead).numpy()
+            share = lookahead_scores(view, self.lookahead, self.lookahead_rounds).numpy()
             scaled = share / np.maximum(share.max(axis=1, keepdims=True), 1e-12)
             keep = scaled + 1e-3 * within_layer_rank(keep.astype(np.float32), view.live_blocks.numpy())
         stay = self.question_stay if view.phase == "question" and self.question_stay is not None else self.stay
