@@ -38,3 +38,11 @@ mkdir -p out/heldout_chat_lookahead_0.125
 [ -s out/heldout_chat_lookahead_0.125/samples.jsonl ] || grep '"controller": "full"' out/heldout_stream_2k_chat_v3/samples.jsonl > out/heldout_chat_lookahead_0.125/samples.jsonl
 kvgym eval --no-plots --lengths 2048 --seed 7 --protocol streaming --host-blocks 512 --budgets 0.125 --n 30 --family-split heldout \
   --batch-runs --controllers "ranker:$P,stay=2,question_stay=0,lookahead=8" --out out/heldout_chat_lookahead_0.125
+# sixth session: drafting twice (the second draft on the set the first chose), validation only (not chosen: no
+# answer changed at 0.125 / 0.25; +1 sample at 0.0625)
+V="ranker:$P,stay=2,question_stay=0,lookahead=8"
+mkdir -p out/val_rounds out/val_rounds_0.0625
+for d in out/val_rounds out/val_rounds_0.0625; do [ -s $d/samples.jsonl ] || grep '"controller": "full"' $VAL > $d/samples.jsonl; done
+$S --seed 9 --n 20 --family-split validation --budgets 0.125,0.25 --out out/val_rounds --controllers "$V,lookahead_rounds=2" &
+$S --seed 9 --n 20 --family-split validation --budgets 0.0625 --out out/val_rounds_0.0625 --controllers "$V,$V,lookahead_rounds=2" &
+wait
