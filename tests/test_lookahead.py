@@ -119,6 +119,12 @@ def test_the_ranker_drafts_only_at_the_answers_decision_points(tiny_model, monke
         assert np.array_equal(controller.decide(other).device, plain.decide(other).device)
     assert calls == [("decode", 4, 2)]
     assert (view.tier[:, 2] == Tier.DEVICE).all()  # the draft ran on a copy: the cache itself is unchanged
+    asking = make_controller("ranker:policies/ranker_smollm2.pt,lookahead=4,lookahead_question=true,merge=false")
+    asking.scores = plain.scores
+    for phase in ("prefill", "question"):  # lookahead_question: the question's decision point drafts as well
+        other = CacheView.from_cache(cache, [4, 4], phase=phase, model=tiny_model, token_ids=torch.tensor(ids))
+        assert asking.decide(other).device[:, 2].all() == (phase == "question")
+    assert calls == [("decode", 4, 2), ("question", 4, 1)]
     for bad in ("lookahead=-1", "lookahead=1.5", "lookahead=65", "lookahead_rounds=0", "lookahead_rounds=5"):
         with pytest.raises(ValueError, match="lookahead"):
             make_controller(f"ranker:policies/ranker_smollm2.pt,{bad}")

@@ -10,7 +10,9 @@ instead (one trained for them, e.g. on KVzip's scores: `python -m benchmarks.ran
 ``blind_prefill``: it also makes the question-blind decisions of a streamed prefill; every other decision stays
 ``PATH``'s. ``lookahead`` (tokens): at the answer's decision points the blocks rank by the attention of that many
 tokens drafted ahead on the device blocks (``agents.baselines.lookahead``), the policy's scores breaking ties;
-``lookahead_rounds``: drafts per such decision, each on the device set the previous one chose."""
+``lookahead_rounds``: drafts per such decision, each on the device set the previous one chose; ``lookahead_question``:
+the question's decision point drafts too (the last token read fed again, so the draft's first token stands in for
+the prompt's last one, not yet read)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class RankerController:
     # (agents.baselines.lookahead), the policy's scores breaking ties
     lookahead: int = 0
     lookahead_rounds: int = 1  # drafts per such decision, each on the device set the previous one chose
+    lookahead_question: bool = False  # the question's decision point drafts too (from the last token read)
     _model: object = field(default=None, init=False, repr=False)
     _blind_model: object = field(default=None, init=False, repr=False)
 
@@ -72,7 +75,7 @@ class RankerController:
 
     def decide(self, view: CacheView) -> list[Decision]:
         keep, merge = self.scores(view)
-        if self.lookahead and view.phase == "decode":
+        if self.lookahead and (view.phase == "decode" or (self.lookahead_question and view.phase == "question")):
             share = lookahead_scores(view, self.lookahead, self.lookahead_rounds).numpy()
             scaled = share / np.maximum(share.max(axis=1, keepdims=True), 1e-12)
             keep = scaled + 1e-3 * within_layer_rank(keep.astype(np.float32), view.live_blocks.numpy())
