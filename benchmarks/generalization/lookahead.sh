@@ -46,3 +46,6 @@ for d in out/val_rounds out/val_rounds_0.0625; do [ -s $d/samples.jsonl ] || gre
 $S --seed 9 --n 20 --family-split validation --budgets 0.125,0.25 --out out/val_rounds --controllers "$V,lookahead_rounds=2" &
 $S --seed 9 --n 20 --family-split validation --budgets 0.0625 --out out/val_rounds_0.0625 --controllers "$V,$V,lookahead_rounds=2" &
 wait
+# drafting at the question's decision point too (stopped after 8 samples per budget: worse)
+mkdir -p out/val_laq2; [ -s out/val_laq2/samples.jsonl ] || grep '"controller": "full"' $VAL > out/val_laq2/samples.jsonl
+$S --seed 9 --n 8 --family-split validation --budgets 0.0625,0.125,0.25 --out out/val_laq2 --controllers "$V,lookahead_question=true"
