@@ -49,3 +49,8 @@ wait
 # drafting at the question's decision point too (stopped after 8 samples per budget: worse)
 mkdir -p out/val_laq2; [ -s out/val_laq2/samples.jsonl ] || grep '"controller": "full"' $VAL > out/val_laq2/samples.jsonl
 $S --seed 9 --n 8 --family-split validation --budgets 0.0625,0.125,0.25 --out out/val_laq2 --controllers "$V,lookahead_question=true"
+# sixth session: the chat-template cell at 0.25 with the draft (the same seeding as at 0.125)
+mkdir -p out/heldout_chat_lookahead_0.25
+[ -s out/heldout_chat_lookahead_0.25/samples.jsonl ] || grep '"controller": "full"' out/heldout_stream_2k_chat_v3/samples.jsonl > out/heldout_chat_lookahead_0.25/samples.jsonl
+kvgym eval --no-plots --lengths 2048 --seed 7 --protocol streaming --host-blocks 512 --budgets 0.25 --n 30 --family-split heldout \
+  --batch-runs --controllers "ranker:$P,stay=2,question_stay=0,lookahead=8" --out out/heldout_chat_lookahead_0.25
