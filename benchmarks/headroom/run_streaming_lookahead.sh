@@ -11,3 +11,11 @@ kvgym eval --protocol streaming --no-chat --host-blocks 512 --lengths 2048 --n $
   --tasks passkey,niah_single --budgets 0.0625,0.03125 --batch-runs \
   --controllers ranker:policies/ranker_smollm2.pt,stay=2,question_stay=0,lookahead=8,lookahead:keydiff \
   --no-plots --out $OUT
+# 8k streamed niah_single at 16x (n = 10): the policy with the draft (the full cache's records from
+# results/headroom_8k_streaming, where KeyDiff answered 1.00 and the policy without the draft 0.50)
+OUT8=${OUT8:-out/headroom_8k_streaming_lookahead}
+mkdir -p $OUT8
+[ -s $OUT8/samples.jsonl ] || zcat results/headroom_8k_streaming/samples.jsonl.gz | grep '"controller": "full"' > $OUT8/samples.jsonl
+kvgym eval --protocol streaming --no-chat --host-blocks 512 --lengths 8000 --n 10 --seed 7 --tasks niah_single \
+  --budgets 0.0625 --batch-runs --controllers ranker:policies/ranker_smollm2.pt,stay=2,question_stay=0,lookahead=8 \
+  --no-plots --out $OUT8
