@@ -54,3 +54,14 @@ mkdir -p out/heldout_chat_lookahead_0.25
 [ -s out/heldout_chat_lookahead_0.25/samples.jsonl ] || grep '"controller": "full"' out/heldout_stream_2k_chat_v3/samples.jsonl > out/heldout_chat_lookahead_0.25/samples.jsonl
 kvgym eval --no-plots --lengths 2048 --seed 7 --protocol streaming --host-blocks 512 --budgets 0.25 --n 30 --family-split heldout \
   --batch-runs --controllers "ranker:$P,stay=2,question_stay=0,lookahead=8" --out out/heldout_chat_lookahead_0.25
+# sixth session: 4k (the full cache's records of out/heldout_stream_4k_plain, which ran the policy, SnapKV and Knorm)
+FULL4K=out/heldout_stream_4k_plain/samples.jsonl
+S4K="kvgym eval --no-plots --lengths 4096 --protocol streaming --no-chat --host-blocks 512 --batch-runs --seed 7 --n 30 --family-split heldout"
+for b in 0.125 0.25; do
+  for run in "la:ranker:$P,stay=2,question_stay=0,lookahead=8" "lasnap:lookahead:snapkv"; do
+    d=out/heldout4k_${run%%:*}_$b; mkdir -p $d; [ -s $d/samples.jsonl ] || grep '"controller": "full"' $FULL4K > $d/samples.jsonl
+    $S4K --budgets $b --out $d --controllers "${run#*:}" &
+  done; wait
+done
+d=out/heldout4k_laknorm_0.125; mkdir -p $d; [ -s $d/samples.jsonl ] || grep '"controller": "full"' $FULL4K > $d/samples.jsonl
+$S4K --budgets 0.125 --out $d --controllers lookahead:knorm
