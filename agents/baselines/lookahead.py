@@ -29,6 +29,7 @@ import torch
 
 from agents.baselines.kvzip import resident_copy
 from cache.controller import CacheView, Decision
+from cache.ranking import keep_top
 
 MAX_TOKENS = 64
 MAX_ROUNDS = 4
@@ -61,8 +62,6 @@ def lookahead_scores(view: CacheView, tokens: int, rounds: int = 1) -> torch.Ten
     """``[L, N]``: each live block's attention share from the drafted queries (max over query heads, mean over
     the drafted tokens); 0 for the others. Each round after the first drafts again on the device set the previous
     round's scores choose (the blocks a draft on the device blocks alone could not read, fetched for the next)."""
-    from cache.ranking import keep_top
-
     share = None
     for _ in range(rounds):
         chosen = None if share is None else torch.from_numpy(keep_top(view, share.numpy()).device)
@@ -71,18 +70,20 @@ def lookahead_scores(view: CacheView, tokens: int, rounds: int = 1) -> torch.Ten
     return share
 
 
+def _check_integer(value, name: str, low: int, high: int, meaning: str) -> None:
+    """Refuse ``value`` unless it is an integer ``low..high`` (``name``: how the caller calls it)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r}: an integer {low}..{high} ({meaning})")
+
+
 def check_tokens(tokens, name: str) -> None:
-    """Refuse a draft length that is not an integer 0..MAX_TOKENS (``name``: how the caller calls it)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"{name}={tokens!r}: an integer 0..{MAX_TOKENS} (tokens drafted ahead at the answer's "
-                         "decision points; 0: none)")
+    """Refuse a draft length that is not an integer 0..MAX_TOKENS."""
+    _check_integer(tokens, name, 0, MAX_TOKENS, "tokens drafted ahead at the answer's decision points; 0: none")
 
 
 def check_rounds(rounds, name: str) -> None:
     """Refuse a number of draft rounds that is not an integer 1..MAX_ROUNDS."""
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= MAX_ROUNDS:
-        raise ValueError(f"{name}={rounds!r}: an integer 1..{MAX_ROUNDS} (drafts per decision, each on the "
-                         "device set the previous one chose)")
+    _check_integer(rounds, name, 1, MAX_ROUNDS, "drafts per decision, each on the device set the previous one chose")
 
 
 @dataclass
@@ -115,6 +116,4 @@ class Lookahead:
     def decide(self, view: CacheView) -> list[Decision]:
         if view.phase != "decode":
             return self._base.decide(view)
-        from cache.ranking import keep_top
-
         return keep_top(view, lookahead_scores(view, self.tokens, self.rounds).numpy(), stay=self.stay)
