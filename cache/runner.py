@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache.controller import CacheView, Controller, EvictOldest, apply_decisions, layer_budgets
+from cache.copies import COPY_WINDOW, reread_tokens
 from cache.driving import EXTERNAL, Decide, Forward, drive
 from cache.paged_cache import CacheConfig, PagedKVCache
 from cache.sentences import is_sentence_end, sentence_end_token_ids
@@ -203,6 +204,7 @@ class _State:
     budget: list[int] | None  # enforced at decision points (None: no decisions); global scope: the allocation
     token_ids: list[int]
     context_end: int  # the prompt's context length: a decision past it has read the question
+    question_start: int = 0  # where the current turn's question begins (the question's re-read starts there)
     total: int | None = None  # global budget scope: the device budget of all layers together
     fallbacks: int = 0
     decisions: int = 0
@@ -244,6 +246,9 @@ class Runner:
         # the budget fallback: the controller's own preference (a trained policy names the rule it trained
         # with) unless one is given, else lowest accumulated mass
         self.fallback_rule = fallback_rule or getattr(controller, "fallback_rule", None) or "lowest_mass"
+        # a controller with ``question_reread = True``: its question is re-encoded over every live block before the
+        # question's decision (``cache.copies.reread_tokens``)
+        self.question_reread = bool(getattr(controller, "question_reread", False))
         self.sentence_end_ids = sentence_end_token_ids(tokenizer) if tokenizer is not None else None
 
     @property
@@ -368,7 +373,7 @@ class Runner:
             cache = self._new_cache(total, **({"track_query_max": True} if track_query_max else {}))
             for a, b in self._chunks(0, dense_end, from_end=True):
                 yield from self._forward(cache, None, prompt.ids[a:b])
-        state = _State(cache, budget, list(prompt.ids[:dense_end]), prompt.context_end,
+        state = _State(cache, budget, list(prompt.ids[:dense_end]), prompt.context_end, prompt.context_end,
                        total=sum(budget) if budget is not None and self.budget_scope == "global" else None)
         if one_shot:
             yield from self._decision_point(state, "compress")
@@ -391,6 +396,7 @@ class Runner:
         for number, turn in enumerate(turns):
             if number > 0:  # the previous answer's last token and this turn's question, streamed
                 fed = [turn_tokens[-1][-1]] + turn[:-1]
+                state.question_start = len(state.token_ids) + 1
                 for a, b in self._chunks(0, len(fed)):
                     yield from self._forward(cache, state, fed[a:b])
                     yield from self._decision_point(state, "question" if b == len(fed) else "prefill")
@@ -459,10 +465,18 @@ class Runner:
             return
         cache = state.cache
         state.decisions += 1
-        view = CacheView.from_cache(cache, state.budget, phase=phase, model=self.model,
-                                    token_ids=torch.tensor(state.token_ids, dtype=torch.long),
-                                    question_read=len(state.token_ids) > state.context_end,
-                                    total_budget=state.total)
+
+        def view_now():
+            return CacheView.from_cache(cache, state.budget, phase=phase, model=self.model,
+                                        token_ids=torch.tensor(state.token_ids, dtype=torch.long),
+                                        question_read=len(state.token_ids) > state.context_end,
+                                        total_budget=state.total)
+
+        view = view_now()
+        if phase == "question" and self.question_reread and state.question_start < view.seen:
+            reread_tokens(view, max(state.question_start, view.seen - COPY_WINDOW))
+            state.ops["reread"] = state.ops.get("reread", 0) + 1
+            view = view_now()
         decision = (yield Decide(view)) if self.controller is EXTERNAL else self.controller.decide(view)
         for name, count in apply_decisions(cache, decision).items():
             state.ops[name] = state.ops.get(name, 0) + count

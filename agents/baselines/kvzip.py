@@ -66,14 +66,14 @@ import torch
 
 from agents.baselines.base import AGGREGATIONS, check_choice, evict_lowest, over_heads, prompt_first_priority
 from cache.controller import CacheView, Decision, Op
-from cache.paged_cache import CacheConfig, PagedKVCache
+from cache.copies import COPY_WINDOW, resident_copy  # noqa: F401  (resident_copy: used here and re-exported)
 from cache.tiers import Tier
 
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
 NEXT_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP_TOKENS = 8  # a later chunk's instruction quotes the previous chunk's last 8 tokens
 SUFFIX = "\n"  # the turn suffix without a chat template
-PIECE_TOKENS = 128  # the reconstruction is fed in pieces: each forward's per-query attention stays small
+PIECE_TOKENS = COPY_WINDOW  # the reconstruction is fed in pieces: each forward's per-query attention stays small
 
 
 @functools.lru_cache(maxsize=4)
@@ -106,37 +106,6 @@ def repeat_inputs(model, token_ids: list[int], chunk_size: int) -> list[tuple[in
             instruction = text_ids(model, NEXT_INSTRUCTION) + token_ids[max(first - OVERLAP_TOKENS, 0) : first]
         passes.append((first, end, instruction + text_ids(model, SUFFIX) + token_ids[first:end]))
     return passes
-
-
-def resident_copy(view: CacheView, extra_tokens: int, drop_newest: int = 0,
-                  chosen: torch.Tensor | None = None) -> tuple[PagedKVCache, list[torch.Tensor]]:
-    """A fresh cache holding a copy of each layer's device tokens (packed in position order; the newest
-    ``drop_newest`` tokens left out) and room for ``extra_tokens`` more, recording every query of forwards of up to
-    ``PIECE_TOKENS`` tokens (``stats_window``) and each block's largest single-query attention; and each layer's
-    device blocks, whose ``i``-th is the copy's block ``i``. ``chosen`` (``[L, N]`` bool): copy these blocks
-    instead, read where they lie (a device set being considered; it must hold each layer's newest block)."""
-    source, bs = view.cache, view.cache.block_size
-    config = CacheConfig(block_size=bs, max_tokens=view.seen + extra_tokens, stats_window=PIECE_TOKENS,
-                         track_query_max=True, sink_blocks=source.config.sink_blocks)
-    copy = PagedKVCache(source.model_config, config)
-    resident = []
-    for layer in range(view.num_layers):
-        blocks = torch.nonzero(view.tier[layer] == Tier.DEVICE if chosen is None else chosen[layer]).flatten()
-        counts = view.num_tokens[layer, blocks]
-        if bool((counts[:-1] != bs).any()):
-            raise ValueError(f"KVzip: layer {layer} has a partly filled block before its newest one among those copied")
-        pool = source.device_pool(layer)
-        valid = (torch.arange(bs)[None] < counts[:, None]).to(pool.keys.device)
-        if chosen is None:  # in place on the device
-            physical = source.tables.physical[layer, blocks].to(pool.keys.device)
-            keys, values = pool.keys[physical][valid], pool.values[physical][valid]  # [T, kv_heads, dim]
-        else:
-            keys, values, _ = view.block_tensors(layer, blocks)
-            keys, values = keys.to(pool.keys.device)[valid], values.to(pool.keys.device)[valid]
-        keys, values = keys[: len(keys) - drop_newest], values[: len(values) - drop_newest]
-        copy.update(keys.transpose(0, 1)[None], values.transpose(0, 1)[None], layer)
-        resident.append(blocks)
-    return copy, resident
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ the policy adds are measured apart.
 
 The future-attention oracle keeps at a decode decision the blocks the next ``decode_window`` answer tokens attend.
 A causal controller cannot know them, but it can draft them: greedy decoding of ``tokens`` tokens on a copy of each
-layer's device tokens (``kvzip.resident_copy``, as KVzip's reconstruction runs; the newest token fed again so that
+layer's device tokens (``cache.copies.resident_copy``, as KVzip's reconstruction runs; the newest token fed again so that
 its logits start the draft), recording each drafted token's query per layer. The drafted tokens may be wrong (the
 blocks they need may be offloaded), but their queries ask for what the answer needs, which the offloaded keys
 answer: ``CacheView.attention_share`` scores every live block exactly against them, offloaded ones where they lie
@@ -19,7 +19,9 @@ that could not read the needle asks for it; the next one reads it and drafts the
 
 ``Lookahead`` (``lookahead:BASE,tokens=8,stay=0,rounds=1``): the baseline ``BASE`` (by name, its default parameters) makes
 every decision but the answer's; at the answer's decision points (phase ``decode``) each layer keeps its pinned
-blocks and the blocks the draft attends most (``keep_top``, with hysteresis ``stay``), prefetching from the host."""
+blocks and the blocks the draft attends most (``keep_top``, with hysteresis ``stay``), prefetching from the host.
+``question_reread=true``: the runner re-encodes the question over every live block before the question's decision
+(``cache.copies.reread_tokens``), as for ``ranker:...,question_reread=true``."""
 
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agents.baselines.kvzip import resident_copy
 from cache.controller import CacheView, Decision
+from cache.copies import resident_copy
 from cache.ranking import keep_top
 
 MAX_TOKENS = 64
@@ -94,6 +96,7 @@ class Lookahead:
     tokens: int = 8
     stay: float = 0.0
     rounds: int = 1
+    question_reread: bool = False  # the question re-encoded over every live block before its decision (the runner)
     _base: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):

@@ -12,7 +12,8 @@ instead (one trained for them, e.g. on KVzip's scores: `python -m benchmarks.ran
 tokens drafted ahead on the device blocks (``agents.baselines.lookahead``), the policy's scores breaking ties;
 ``lookahead_rounds``: drafts per such decision, each on the device set the previous one chose; ``lookahead_question``:
 the question's decision point drafts too (the last token read fed again, so the draft's first token stands in for
-the prompt's last one, not yet read)."""
+the prompt's last one, not yet read); ``question_reread``: the runner re-encodes the question over every live block
+before the question's decision (``cache.copies.reread_tokens``)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class RankerController:
     lookahead: int = 0
     lookahead_rounds: int = 1  # drafts per such decision, each on the device set the previous one chose
     lookahead_question: bool = False  # the question's decision point drafts too (from the last token read)
+    question_reread: bool = False  # the question re-encoded over every live block before its decision (the runner)
     _model: object = field(default=None, init=False, repr=False)
     _blind_model: object = field(default=None, init=False, repr=False)
 
