@@ -21,9 +21,10 @@ for b in 0.125 0.25; do
   seeded out/heldout_reread_$b $HELD
   $S --seed 7 --n 30 --family-split heldout --budgets $b --out out/heldout_reread_$b --controllers "$POLICY"
 done
-seeded out/heldout_reread_knorm_0.125 $HELD
-$S --seed 7 --n 30 --family-split heldout --budgets 0.125 --out out/heldout_reread_knorm_0.125 \
-  --controllers lookahead:knorm,question_reread=true
-seeded out/heldout_reread_snapkv_0.25 $HELD
-$S --seed 7 --n 30 --family-split heldout --budgets 0.25 --out out/heldout_reread_snapkv_0.25 \
-  --controllers lookahead:snapkv,question_reread=true
+# the same draft and re-read behind the best heuristics of the held-out cells (Knorm, SnapKV; both at both budgets,
+# batched: SnapKV ranks with the question's queries, which the re-read changes)
+for b in 0.125 0.25; do
+  seeded out/heldout_reread_heuristics_$b $HELD
+  $S --seed 7 --n 30 --family-split heldout --budgets $b --out out/heldout_reread_heuristics_$b \
+    --controllers lookahead:knorm,question_reread=true,lookahead:snapkv,question_reread=true
+done
