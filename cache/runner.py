@@ -246,8 +246,8 @@ class Runner:
         # the budget fallback: the controller's own preference (a trained policy names the rule it trained
         # with) unless one is given, else lowest accumulated mass
         self.fallback_rule = fallback_rule or getattr(controller, "fallback_rule", None) or "lowest_mass"
-        # a controller with ``question_reread = True``: its question is re-encoded over every live block before the
-        # question's decision (``cache.copies.reread_tokens``)
+        # a controller with ``question_reread = True``: its question (its last COPY_WINDOW tokens, if longer) is
+        # re-encoded over every live block before the question's decision (``cache.copies.reread_tokens``)
         self.question_reread = bool(getattr(controller, "question_reread", False))
         self.sentence_end_ids = sentence_end_token_ids(tokenizer) if tokenizer is not None else None
 
