@@ -2,7 +2,7 @@
 
 For each sample (the held-out ones the full cache answers and the policy with the draft does not, read from the
 committed records), the shipped policy runs the streaming protocol (2k, plain, host 512) and at its question's
-decision point this script answers greedily on copies of the cache (``kvzip.resident_copy``, blocks read where they
+decision point this script answers greedily on copies of the cache (``cache.copies.resident_copy``, blocks read where they
 lie), the run itself untouched:
 
 - ``chosen``: the device set the policy's question decision keeps (what the run's first answer token sees);
@@ -52,8 +52,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from agents.baselines.kvzip import resident_copy
     from agents.registry import make_controller
+    from cache.copies import resident_copy
     from cache.models import load_model
     from eval.harness import _Context, score_sample
     from eval.tasks.base import sample_seed
