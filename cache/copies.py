@@ -58,8 +58,16 @@ def resident_copy(view, extra_tokens: int, drop_newest: int = 0,
 def reread_tokens(view, start: int) -> int:
     """Encode ``view``'s tokens ``[start, seen)`` again over every live block and write their keys and values back
     into ``view.cache`` in place (whatever tier holds them); the cache's window queries become the re-encoded ones.
-    Returns the bytes of off-device blocks read (module docstring). The view is stale afterwards."""
+    Tokens of a block some layer dropped cannot be rewritten: the re-read then starts after the last such block (and
+    does nothing when the newest block is all that is left of the range). Returns the bytes of off-device blocks read
+    (module docstring). The view is stale afterwards."""
     cache, model, bs = view.cache, view.model, view.cache.block_size
+    first_block = start // bs
+    dropped = torch.nonzero(~view.live_blocks[:, first_block : view.num_blocks].all(dim=0)).flatten()
+    if len(dropped):
+        start = (first_block + int(dropped[-1]) + 1) * bs
+        if start >= view.seen:
+            return 0
     count = view.seen - start
     if model is None or view.token_ids is None or not 0 < count <= COPY_WINDOW:
         raise ValueError(f"reread: tokens {start}..{view.seen} of the cache cannot be re-read (a model, the token "

@@ -74,3 +74,20 @@ def test_runs_reread_the_question_of_every_turn_only_when_the_controller_asks(ti
     assert results[True].bytes_moved["host->host-attention"] > 0 and "host->host-attention" not in results[False].bytes_moved
     # the first answer token already reads the re-encoded question: its logits change
     assert not torch.allclose(results[True].logits[0], results[False].logits[0], atol=1e-4)
+
+
+@torch.no_grad()
+def test_a_question_partly_dropped_is_reread_from_the_block_after_the_drop(tiny_model):
+    """Without a host tier an offloaded block is dropped: its tokens cannot be rewritten, so the re-read starts at
+    the next block and leaves the dropped one alone; a range that is only the newest block's still re-reads."""
+    ids = ids_of(CONTEXT + QUESTION)
+    cache = PagedKVCache(tiny_model.config, CacheConfig(block_size=BLOCK, max_tokens=96))  # drop-only
+    tiny_model(input_ids=torch.tensor([ids[:CONTEXT]]), cache=cache, use_cache=True)
+    apply_decisions(cache, [Decision(layer, block, Op.EVICT) for layer in range(2) for block in (1, 2)])
+    tiny_model(input_ids=torch.tensor([ids[CONTEXT:]]), cache=cache, use_cache=True)
+    apply_decisions(cache, [Decision(1, CONTEXT // BLOCK, Op.EVICT)])  # the question's first block, in layer 1
+    view = CacheView.from_cache(cache, [4, 4], phase="question", model=tiny_model, token_ids=torch.tensor(ids))
+    assert reread_tokens(view, CONTEXT) == 0  # nothing off the device is live: nothing read
+    assert cache.window_queries[1].shape[1] == QUESTION - BLOCK  # re-read from the block after the dropped one
+    view = CacheView.from_cache(cache, [4, 4], phase="question", model=tiny_model, token_ids=torch.tensor(ids))
+    assert reread_tokens(view, view.seen - 2) == 0 and cache.window_queries[1].shape[1] == 2
