@@ -58,16 +58,14 @@ def resident_copy(view, extra_tokens: int, drop_newest: int = 0,
 def reread_tokens(view, start: int) -> int:
     """Encode ``view``'s tokens ``[start, seen)`` again over every live block and write their keys and values back
     into ``view.cache`` in place (whatever tier holds them); the cache's window queries become the re-encoded ones.
-    Tokens of a block some layer dropped cannot be rewritten: the re-read then starts after the last such block (and
-    does nothing when the newest block is all that is left of the range). Returns the bytes of off-device blocks read
-    (module docstring). The view is stale afterwards."""
+    Tokens of a block some layer dropped cannot be rewritten: the re-read then starts after the last such block (the
+    newest block is pinned, never dropped). Returns the number of tokens re-encoded; the bytes of off-device blocks
+    read go to ``bytes_moved`` (module docstring). The view is stale afterwards."""
     cache, model, bs = view.cache, view.model, view.cache.block_size
     first_block = start // bs
     dropped = torch.nonzero(~view.live_blocks[:, first_block : view.num_blocks].all(dim=0)).flatten()
     if len(dropped):
         start = (first_block + int(dropped[-1]) + 1) * bs
-        if start >= view.seen:
-            return 0
     count = view.seen - start
     if model is None or view.token_ids is None or not 0 < count <= COPY_WINDOW:
         raise ValueError(f"reread: tokens {start}..{view.seen} of the cache cannot be re-read (a model, the token "
@@ -80,6 +78,7 @@ def reread_tokens(view, start: int) -> int:
           position_ids=torch.arange(start, view.seen, device=device)[None])
     positions = torch.arange(start, view.seen)
     blocks, offsets = positions // bs, positions % bs
+    touched = torch.unique(blocks)
     for layer in range(view.num_layers):
         keys, values = (t[0, :, -count:].transpose(0, 1) for t in copy.resident_keys_values(layer))  # [count, kv, dim]
         tiers, physical = view.tier[layer, blocks], cache.tables.physical[layer, blocks]
@@ -89,13 +88,11 @@ def reread_tokens(view, start: int) -> int:
             pool.keys[rows, slots] = keys[here.to(keys.device)].to(pool.keys.device, pool.keys.dtype)
             pool.values[rows, slots] = values[here.to(keys.device)].to(pool.values.device, pool.values.dtype)
         cache.layers[layer].mirror_stale = True
-        touched = torch.unique(blocks)
         on_device = touched[view.tier[layer, touched] == Tier.DEVICE]
         cache.summarize_keys(layer, on_device)
         cache.window_queries[layer] = copy.window_queries[layer]
         cache.last_query[layer] = copy.last_query[layer]
     copy.close()
     off_device = live & (view.tier != Tier.DEVICE)
-    read = int(off_device.sum()) * cache.device_pool(0).bytes_per_block  # keys and values of each block read
-    cache.bytes_moved[("host", "host-attention")] += read
-    return read
+    cache.bytes_moved[("host", "host-attention")] += int(off_device.sum()) * cache.device_pool(0).bytes_per_block
+    return count

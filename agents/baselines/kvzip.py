@@ -66,7 +66,7 @@ import torch
 
 from agents.baselines.base import AGGREGATIONS, check_choice, evict_lowest, over_heads, prompt_first_priority
 from cache.controller import CacheView, Decision, Op
-from cache.copies import COPY_WINDOW, resident_copy  # noqa: F401  (resident_copy: used here and re-exported)
+from cache.copies import COPY_WINDOW, resident_copy
 from cache.tiers import Tier
 
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
