@@ -11,6 +11,9 @@
   the whole context before the decision and the answer; the decision then sees the re-encoded queries. The
   context's own keys and values stay as streamed. Cost: one forward of the question's tokens over the whole
   context, reading every off-device block once (counted in ``bytes_moved`` as ``host->host-attention``).
+  With ``attention``, the re-read's exact attention to every live block (host blocks included) also replaces the
+  latest forward's statistics (``last_mass``, ``last_mass_heads``, ``last_query_heads``), which the streamed
+  question could only give its device blocks: the decision then sees what a one-shot question sees.
 """
 
 from __future__ import annotations
@@ -55,12 +58,13 @@ def resident_copy(view, extra_tokens: int, drop_newest: int = 0,
 
 
 @torch.no_grad()
-def reread_tokens(view, start: int) -> int:
+def reread_tokens(view, start: int, attention: bool = False) -> int:
     """Encode ``view``'s tokens ``[start, seen)`` again over every live block and write their keys and values back
     into ``view.cache`` in place (whatever tier holds them); the cache's window queries become the re-encoded ones.
     Tokens of a block some layer dropped cannot be rewritten: the re-read then starts after the last such block (the
-    newest block is pinned, never dropped). Returns the number of tokens re-encoded; the bytes of off-device blocks
-    read go to ``bytes_moved`` (module docstring). The view is stale afterwards."""
+    newest block is pinned, never dropped). ``attention``: the re-read's attention to each live block becomes the
+    cache's latest-forward statistics (module docstring). Returns the number of tokens re-encoded; the bytes of
+    off-device blocks read go to ``bytes_moved``. The view is stale afterwards."""
     cache, model, bs = view.cache, view.model, view.cache.block_size
     first_block = start // bs
     dropped = torch.nonzero(~view.live_blocks[:, first_block : view.num_blocks].all(dim=0)).flatten()
@@ -72,7 +76,7 @@ def reread_tokens(view, start: int) -> int:
                          f"ids and 1..{COPY_WINDOW} tokens are needed)")
     live = view.live_blocks
     device = next(model.parameters()).device
-    copy, _ = resident_copy(view, count, drop_newest=count, chosen=live)
+    copy, copied = resident_copy(view, count, drop_newest=count, chosen=live)
     ids = view.token_ids.flatten()[start:view.seen].tolist()
     model(input_ids=torch.tensor([ids], device=device), cache=copy, use_cache=True, logits_to_keep=1,
           position_ids=torch.arange(start, view.seen, device=device)[None])
@@ -92,7 +96,20 @@ def reread_tokens(view, start: int) -> int:
         cache.summarize_keys(layer, on_device)
         cache.window_queries[layer] = copy.window_queries[layer]
         cache.last_query[layer] = copy.last_query[layer]
+    if attention:
+        _take_attention(cache.stats, copy.stats, copied)
     copy.close()
     off_device = live & (view.tier != Tier.DEVICE)
     cache.bytes_moved[("host", "host-attention")] += int(off_device.sum()) * cache.device_pool(0).bytes_per_block
     return count
+
+
+def _take_attention(stats, copy_stats, copied: list[torch.Tensor]) -> None:
+    """The latest forward's statistics of ``stats`` become ``copy_stats``' (a copy whose block ``i`` of a layer is
+    ``copied[layer][i]``); blocks not copied (dropped) get none."""
+    for name in ("last_mass_heads", "last_query_heads"):
+        target, source = getattr(stats, name), getattr(copy_stats, name)
+        target.zero_()
+        for layer, blocks in enumerate(copied):
+            target[layer, :, blocks] = source[layer, :, : len(blocks)]
+    stats.last_mass.copy_(stats.last_mass_heads.mean(dim=1))

@@ -249,6 +249,7 @@ class Runner:
         # a controller with ``question_reread = True``: its question (its last COPY_WINDOW tokens, if longer) is
         # re-encoded over every live block before the question's decision (``cache.copies.reread_tokens``)
         self.question_reread = bool(getattr(controller, "question_reread", False))
+        self.reread_attention = bool(getattr(controller, "reread_attention", False))  # its attention as the stats too
         self.sentence_end_ids = sentence_end_token_ids(tokenizer) if tokenizer is not None else None
 
     @property
@@ -474,7 +475,7 @@ class Runner:
 
         view = view_now()
         if phase == "question" and self.question_reread and state.question_start < view.seen:
-            reread_tokens(view, max(state.question_start, view.seen - COPY_WINDOW))
+            reread_tokens(view, max(state.question_start, view.seen - COPY_WINDOW), attention=self.reread_attention)
             state.ops["reread"] = state.ops.get("reread", 0) + 1
             view = view_now()
         decision = (yield Decide(view)) if self.controller is EXTERNAL else self.controller.decide(view)

@@ -93,3 +93,54 @@ def test_a_question_partly_dropped_is_reread_from_the_block_after_the_drop(tiny_
     view = CacheView.from_cache(cache, [4, 4], phase="question", model=tiny_model, token_ids=torch.tensor(ids))
     assert reread_tokens(view, view.seen - 2) == 2 and cache.window_queries[1].shape[1] == 2
     assert cache.bytes_moved[("host", "host-attention")] == 0
+
+
+@torch.no_grad()
+def test_the_reread_attention_is_a_dense_questions_attention_to_every_block(tiny_model):
+    """``attention=True``: the latest-forward statistics become those of the question read over every block, as a
+    dense forward's question gives them (reference); negative control: the streamed question gave the offloaded
+    blocks nothing, and a re-read without ``attention`` leaves that so."""
+    reference = PagedKVCache(tiny_model.config, CacheConfig(block_size=BLOCK, max_tokens=96))
+    cache, ids = streamed_with_offload(tiny_model)
+    tiny_model(input_ids=torch.tensor([ids[:CONTEXT]]), cache=reference, use_cache=True)
+    tiny_model(input_ids=torch.tensor([ids[CONTEXT:]]), cache=reference, use_cache=True)
+    n = CacheView.from_cache(cache, [4, 4]).num_blocks
+    want = {name: getattr(reference.stats, name)[..., :n] for name in ("last_mass_heads", "last_query_heads")}
+    assert (want["last_mass_heads"][:, :, 1:5] > 0).all()
+    for attention in (False, True):
+        view = CacheView.from_cache(cache, [4, 4], phase="question", model=tiny_model, token_ids=torch.tensor(ids))
+        reread_tokens(view, CONTEXT, attention=attention)
+        got = cache.stats.last_mass_heads[..., :n]
+        assert (got[:, :, 1:5] > 0).all() == attention  # offloaded blocks: attended only by the re-read's stats
+    for name, expected in want.items():
+        assert torch.allclose(getattr(cache.stats, name)[..., :n], expected, atol=1e-5), name
+    assert torch.allclose(cache.stats.last_mass[:, :n], reference.stats.last_mass[:, :n], atol=1e-5)
+
+
+@torch.no_grad()
+def test_the_reread_attention_lands_on_the_blocks_it_belongs_to_after_a_drop(tiny_model):
+    """Dropped blocks shift the copy's packing: with blocks 1 and 2 dropped before the question, the streamed
+    question already attended exactly the live blocks, so the re-read's attention must equal the streamed one's,
+    block for block (a shifted mapping would move the mass onto the wrong blocks and the dropped ones)."""
+    ids = ids_of(CONTEXT + QUESTION)
+    cache = PagedKVCache(tiny_model.config, CacheConfig(block_size=BLOCK, max_tokens=96))  # drop-only
+    tiny_model(input_ids=torch.tensor([ids[:CONTEXT]]), cache=cache, use_cache=True)
+    apply_decisions(cache, [Decision(layer, block, Op.EVICT) for layer in range(2) for block in (1, 2)])
+    tiny_model(input_ids=torch.tensor([ids[CONTEXT:]]), cache=cache, use_cache=True)
+    n = CacheView.from_cache(cache, [4, 4]).num_blocks
+    streamed = cache.stats.last_mass_heads[..., :n].clone()
+    view = CacheView.from_cache(cache, [4, 4], phase="question", model=tiny_model, token_ids=torch.tensor(ids))
+    reread_tokens(view, CONTEXT, attention=True)
+    assert (streamed[:, :, 1:3] == 0).all() and (streamed[:, :, 3:] > 0).all()
+    assert torch.allclose(cache.stats.last_mass_heads[..., :n], streamed, atol=1e-5)
+
+
+def test_reread_attention_without_the_reread_is_refused():
+    for spec in ("lookahead:snapkv,reread_attention=true", "ranker:policies/ranker_smollm2.pt,reread_attention=true"):
+        try:
+            make_controller(spec)
+        except ValueError as error:
+            assert "question_reread=true" in str(error)
+        else:
+            raise AssertionError(f"{spec} was accepted")
+    assert make_controller("lookahead:snapkv,question_reread=true,reread_attention=true").reread_attention

@@ -21,7 +21,8 @@ that could not read the needle asks for it; the next one reads it and drafts the
 every decision but the answer's; at the answer's decision points (phase ``decode``) each layer keeps its pinned
 blocks and the blocks the draft attends most (``keep_top``, with hysteresis ``stay``), prefetching from the host.
 ``question_reread=true``: the runner re-encodes the question over every live block before the question's decision
-(``cache.copies.reread_tokens``), as for ``ranker:...,question_reread=true``."""
+(``cache.copies.reread_tokens``), as for ``ranker:...,question_reread=true``; ``reread_attention=true``: its attention
+to every live block also becomes the latest statistics (the base's question decision reads them)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,13 @@ def check_rounds(rounds, name: str) -> None:
     _check_integer(rounds, name, 1, MAX_ROUNDS, "drafts per decision, each on the device set the previous one chose")
 
 
+def check_reread(question_reread: bool, reread_attention: bool, name: str) -> None:
+    """Refuse ``reread_attention`` without the re-read it takes its attention from."""
+    if reread_attention and not question_reread:
+        raise ValueError(f"{name}: reread_attention=true takes the attention of the question's re-read; it needs "
+                         "question_reread=true")
+
+
 @dataclass
 class Lookahead:
     """A baseline with the draft's ranking at the answer's decision points (module docstring)."""
@@ -97,6 +105,7 @@ class Lookahead:
     stay: float = 0.0
     rounds: int = 1
     question_reread: bool = False  # the question re-encoded over every live block before its decision (the runner)
+    reread_attention: bool = False  # and its attention to every live block taken as the latest statistics
     _base: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -109,6 +118,7 @@ class Lookahead:
         if self.tokens == 0:
             raise ValueError("lookahead tokens=0: nothing to draft (use the base itself)")
         check_rounds(self.rounds, "lookahead rounds")
+        check_reread(self.question_reread, self.reread_attention, "lookahead")
         if not self.stay >= 0:  # also refuses NaN
             raise ValueError(f"lookahead stay: expected a margin >= 0 (standard deviations of a layer's scores), got {self.stay!r}")
         self._base = make_controller(self.base)

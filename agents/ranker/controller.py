@@ -13,7 +13,8 @@ tokens drafted ahead on the device blocks (``agents.baselines.lookahead``), the 
 ``lookahead_rounds``: drafts per such decision, each on the device set the previous one chose; ``lookahead_question``:
 the question's decision point drafts too (the last token read fed again, so the draft's first token stands in for
 the prompt's last one, not yet read); ``question_reread``: the runner re-encodes the question over every live block
-before the question's decision (``cache.copies.reread_tokens``)."""
+before the question's decision (``cache.copies.reread_tokens``); ``reread_attention``: the re-read's attention to every
+live block also replaces the streamed question's attention statistics, which only the device blocks had."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agents.baselines.lookahead import check_rounds, check_tokens, lookahead_scores
+from agents.baselines.lookahead import check_reread, check_rounds, check_tokens, lookahead_scores
 from agents.ranker.model import load_ranker
 from cache.controller import CacheView, Decision
 from cache.ranking import check_blind_phase, keep_top, policy_features, within_layer_rank
@@ -49,6 +50,7 @@ class RankerController:
     lookahead_rounds: int = 1  # drafts per such decision, each on the device set the previous one chose
     lookahead_question: bool = False  # the question's decision point drafts too (from the last token read)
     question_reread: bool = False  # the question re-encoded over every live block before its decision (the runner)
+    reread_attention: bool = False  # and its attention to every live block taken as the latest statistics
     _model: object = field(default=None, init=False, repr=False)
     _blind_model: object = field(default=None, init=False, repr=False)
 
@@ -63,6 +65,7 @@ class RankerController:
                                  "resident block is lifted by; 2 is the shipped setting)")
         check_tokens(self.lookahead, "ranker: lookahead")
         check_rounds(self.lookahead_rounds, "ranker: lookahead_rounds")
+        check_reread(self.question_reread, self.reread_attention, "ranker")
         if self.blind_prefill and not self.blind:
             raise ValueError("ranker: blind_prefill=true needs a blind file (blind=PATH) to make those decisions")
         model, self.summary = load_ranker(self.path)
