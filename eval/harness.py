@@ -6,6 +6,7 @@
 - ``summary.csv`` / ``summary.md``, ``accuracy_vs_budget.png``, ``bytes_vs_context.png`` (``eval/report.py``);
 - ``eval_config.json``: the settings that change what a run computes (model, chat, tiers, chunking); a
   rerun into the same folder with different settings is refused.
+- ``references/``: the full cache's first-position logits of each answer-task sample (resuming, below).
 
 Design:
 
@@ -46,8 +47,11 @@ Design:
   its old rows are not reported. A controller whose spec names a file (a policy: ``ranker:policies/x.pt``)
   records the file's digest (``controller_digest``); its records count as done only while the file is the
   same, so a retrained policy evaluated into the same folder runs again (with a warning). When only
-  some of a sample's runs are missing, the full-cache reference is run again (deterministic) for its logits
-  but not written twice. A truncated last line (an interrupted write) is dropped with a warning; any other
+  some of a sample's runs are missing, the full-cache reference's logits are needed again (for ``kl``): an answer
+  task's first-position logits are kept in ``references/<sample_hash>.pt`` when the reference first runs
+  (``eval.records.save_reference``), so a later run into the folder (another controller, another budget) reads
+  them instead of running the full cache again, which halves the cost of adding one controller to a folder; a
+  teacher-forced sample (metric ``kl``, logits at every position) runs the reference again (deterministic). A truncated last line (an interrupted write) is dropped with a warning; any other
   unreadable line is an error naming it.
 - **Custom samples** (``tasks_file``, or ``dataset`` read through ``datasets``: ``eval.datasets``): one JSON
   object per line (``read_tasks_file``); the task name is the file's stem (a dataset's ``task`` column), ``index`` the sample's position in the file (blank lines skipped), ``length`` the prompt's
@@ -72,7 +76,9 @@ from eval.records import (
     controller_digest,
     exclusive_folder,
     load_records,
+    load_reference,
     sample_hash,
+    save_reference,
 )
 from eval.tasks.base import sample_seed
 
@@ -363,11 +369,9 @@ def evaluate(model, tokenizer, controllers, budgets, tasks, lengths, n: int, see
                 if ray is not None:  # sent to the cluster below, as items: workers make their own samples
                     pending.append((item, seed, missing))
                     continue
-                full_first = keys[:1] + [key for key in missing if key != keys[0]]  # the reference always runs
-                for key, record in sample_records(context, item, sample, sample_seed_value, full_first, bar):
-                    if key not in done:
-                        _keep(key, record, done, samples_path, digests)
-                        bar.update(1)
+                for key, record in sample_records(context, item, sample, sample_seed_value, missing, bar, out):
+                    _keep(key, record, done, samples_path, digests)
+                    bar.update(1)
             if pending:
                 from eval.ray_eval import run_on_ray
 
@@ -404,9 +408,12 @@ def _make_sample(context: _Context, item: _Work, generators: dict, seed: int):
     return generators[item.task](context.tokenizer, item.length, sample_seed_value, item.index), sample_seed_value
 
 
-def sample_records(context: _Context, item: _Work, sample, sample_seed_value, keys: list[tuple], bar=None):
+def sample_records(context: _Context, item: _Work, sample, sample_seed_value, keys: list[tuple], bar=None,
+                   references: Path | None = None):
     """Run one sample's ``keys`` (the full cache first, as the reference; one-shot protocols share its dense
-    prefill) and yield ``(key, record)`` as each run ends. The same code serves a local run and a Ray worker."""
+    prefill) and yield ``(key, record)`` as each run ends. The same code serves a local run and a Ray worker. With
+    ``references`` (the eval folder), an answer task's reference logits are read from there when the full cache's
+    own run is not among ``keys``, and kept there when it runs (``save_reference``)."""
     from agents.registry import make_controller, parse_spec
     from eval.tasks.prompt import build_prompt
 
@@ -422,9 +429,17 @@ def sample_records(context: _Context, item: _Work, sample, sample_seed_value, ke
         forced = None
     prompt = build_prompt(context.tokenizer, sample, context.chat)
     oracles: dict[str, object] = {}  # one trace per sample, shared by every budget
+    saved = references is not None and forced is None
+    reference = None
+    if saved and all(key[0] != FULL for key in keys):
+        first_logits = load_reference(references, keys[0][6])
+        reference = None if first_logits is None else _SavedReference([first_logits])
     try:
         context.start_sample(prompt, sample, forced)
-        reference = context.run(None, None, prompt, sample, forced)
+        if reference is None:
+            reference = context.run(None, None, prompt, sample, forced)
+            if saved:
+                save_reference(references, keys[0][6], reference.logits[0])
     except ValueError as err:
         raise ValueError(f"{where}, full cache: {err}") from None
     def controller_of(spec, budget):
@@ -466,6 +481,12 @@ def sample_records(context: _Context, item: _Work, sample, sample_seed_value, ke
                                forced, context.protocol)
     finally:
         context.shared = None
+
+
+@dataclass
+class _SavedReference:
+    """The part of a full-cache run a record needs from it, read back from the folder (``save_reference``)."""
+    logits: list
 
 
 def _keep(key: tuple, record: dict, done: dict, samples_path: Path, digests: dict) -> None:

@@ -128,3 +128,38 @@ def exclusive_folder(out: Path):
         yield
     finally:
         handle.close()
+
+
+REFERENCES = "references"  # the folder's subfolder of saved full-cache logits (``save_reference``)
+
+
+def save_reference(out: Path, sample_hash_value: str, first_logits) -> None:
+    """Keep the full cache's logits at the first generated position of sample ``sample_hash_value`` (all a later
+    run of an answer task needs from the reference: its ``kl``) in ``out/references/<hash>.pt``, written atomically
+    (float32, ~200 KB at SmolLM2's vocabulary)."""
+    import torch
+
+    from agents.policy_file import atomic_write
+
+    with atomic_write(Path(out) / REFERENCES / f"{sample_hash_value}.pt", ".pt") as tmp:
+        torch.save({"sample_hash": sample_hash_value, "first_logits": first_logits.detach().float().cpu()}, tmp)
+
+
+def load_reference(out: Path, sample_hash_value: str):
+    """The first-position logits ``save_reference`` kept for ``sample_hash_value`` (a 1-D float tensor), or None when
+    there are none; an unreadable or foreign file is ignored with a warning (the reference then runs again)."""
+    import torch
+
+    path = Path(out) / REFERENCES / f"{sample_hash_value}.pt"
+    if not path.is_file():
+        return None
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        logits = payload["first_logits"]
+        if payload["sample_hash"] != sample_hash_value or logits.dim() != 1 or not logits.is_floating_point():
+            raise ValueError("another sample's logits")
+    except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged file)
+        warnings.warn(f"{path}: unreadable saved reference ({type(error).__name__}: {error}); the full cache runs "
+                      "again for this sample", stacklevel=2)
+        return None
+    return logits

@@ -107,6 +107,10 @@ def _without_timings(path):
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in _lines(path)]
 
 
+def _sorted_records(folder):
+    return sorted(_without_timings(folder / "samples.jsonl"), key=lambda record: json.dumps(record, sort_keys=True))
+
+
 def test_smoke_files_rows_and_rel_accuracy(tiny_model, tmp_path, scored):
     rows = _evaluate(tiny_model, tmp_path)
     for name in ("samples.jsonl", "summary.csv", "summary.md", "accuracy_vs_budget.png", "bytes_vs_context.png",
@@ -156,13 +160,33 @@ def test_resume_runs_nothing_new_and_determinism(tiny_model, tmp_path, scored, c
     _evaluate(tiny_model, first, tasks=["fake_key"], lengths=[64], controllers=["lru"])
     assert len(counted_runs) == runs
     assert _lines(first / "samples.jsonl") == lines
-    # a wider rerun runs only the new controller (plus the full reference again, for its logits)
+    # a wider rerun runs only the new controller: the full cache's logits are read from references/
+    assert sorted(p.name for p in (first / "references").iterdir()) == sorted(
+        f"{json.loads(line)['sample_hash']}.pt" for line in lines if '"controller": "full"' in line)
     _evaluate(tiny_model, first, tasks=["fake_key"], lengths=[64], controllers=["lru", "h2o"])
-    assert len(counted_runs) == runs + 2 * (1 + 2)
+    assert len(counted_runs) == runs + 2 * 2
     assert len(_lines(first / "samples.jsonl")) == len(lines) + 2 * 2
-    # same seed, fresh folder: identical records apart from timings
-    _evaluate(tiny_model, second, tasks=["fake_key"], lengths=[64], controllers=["lru"])
-    assert _without_timings(second / "samples.jsonl") == _without_timings(first / "samples.jsonl")[: len(lines)]
+    # same seed, fresh folder: identical records apart from timings, the new controller's kl included (its
+    # reference read back equals the one run afresh)
+    _evaluate(tiny_model, second, tasks=["fake_key"], lengths=[64], controllers=["lru", "h2o"])
+    assert _sorted_records(second) == _sorted_records(first)
+
+
+def test_a_damaged_saved_reference_is_run_again_not_trusted(tiny_model, tmp_path, scored, counted_runs):
+    """Negative control for the saved references: a file that cannot be read, or that holds another sample's
+    logits, is ignored with a warning and the full cache runs again; the records are those of a clean folder."""
+    clean, damaged = tmp_path / "clean", tmp_path / "damaged"
+    for folder in (clean, damaged):
+        _evaluate(tiny_model, folder, tasks=["fake_key"], lengths=[64], controllers=["lru"])
+    _evaluate(tiny_model, clean, tasks=["fake_key"], lengths=[64], controllers=["lru", "h2o"])
+    first, second = sorted((damaged / "references").iterdir())
+    first.write_bytes(first.read_bytes()[:100])  # truncated
+    second.write_bytes((clean / "references" / first.name).read_bytes())  # the other sample's logits
+    runs = len(counted_runs)
+    with pytest.warns(UserWarning, match="unreadable saved reference"):
+        _evaluate(tiny_model, damaged, tasks=["fake_key"], lengths=[64], controllers=["lru", "h2o"])
+    assert len(counted_runs) == runs + 2 * (1 + 2)  # both references ran again, beside h2o's runs at two budgets
+    assert _sorted_records(damaged) == _sorted_records(clean)
 
 
 def test_interrupted_last_line_is_dropped_and_rerun(tiny_model, tmp_path, scored):
@@ -390,7 +414,7 @@ def test_a_changed_policy_file_runs_again(tiny_model, tmp_path, scored, counted_
     version["lru"] = "b"
     with pytest.warns(UserWarning, match="4 records of lru were made with another version"):
         _evaluate(tiny_model, out, tasks=["fake_key"], lengths=[64], controllers=["lru"])
-    assert len(counted_runs) == 2 * runs  # lru at both budgets again, and the full reference for its logits
+    assert len(counted_runs) == runs + 2 * 2  # lru at both budgets again (the full cache's logits: references/)
     rows = [json.loads(line) for line in _lines(out / "samples.jsonl")]
     assert len(rows) == len(lines) + 4 and [r["controller_digest"] for r in rows[-4:]] == ["b"] * 4
     summary = (out / "summary.csv").read_text()
