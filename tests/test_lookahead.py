@@ -82,6 +82,20 @@ def test_a_draft_on_a_chosen_set_reads_offloaded_blocks_where_they_lie(tiny_mode
 
 
 @torch.no_grad()
+def test_a_live_draft_reads_every_live_block_and_counts_the_bytes_it_reads(tiny_model):
+    """``live``: the draft runs on every live block, the offloaded ones read where they lie (the draft the cache made
+    before offloading them, tested above), and those reads are counted as host-side attention bytes."""
+    cache, _, ids, _ = decode_view(tiny_model, host_blocks=8)
+    view = offload(cache, tiny_model, ids)
+    share = lookahead.lookahead_scores(view, DRAFT, live=True)
+    queries, first = lookahead.draft_queries(view, DRAFT, view.live_blocks)
+    assert torch.allclose(share, view.attention_share(queries, first).amax(dim=-1))
+    assert not torch.allclose(share, lookahead.lookahead_scores(view, DRAFT), atol=1e-3)  # the device blocks' draft
+    # two drafts so far read the two offloaded blocks of both layers (the device-only draft reads none)
+    assert cache.bytes_moved[("host", "host-attention")] == 2 * 2 * 2 * cache.device_pool(0).bytes_per_block
+
+
+@torch.no_grad()
 def test_each_round_drafts_on_the_set_the_previous_round_chose(tiny_model, monkeypatch):
     cache, _, ids, _ = decode_view(tiny_model, host_blocks=8)
     view = offload(cache, tiny_model, ids)
@@ -101,8 +115,8 @@ def test_the_ranker_drafts_only_at_the_answers_decision_points(tiny_model, monke
     cache, view, ids, _ = decode_view(tiny_model, host_blocks=8)
     calls = []
 
-    def scores(view, tokens, rounds):
-        calls.append((view.phase, tokens, rounds))
+    def scores(view, tokens, rounds, live=False):
+        calls.append((view.phase, tokens, rounds) + (("live",) if live else ()))
         share = torch.zeros(view.num_layers, view.num_blocks)
         share[:, 2] = 1.0  # block 2 is what the draft reads
         return share
@@ -125,6 +139,14 @@ def test_the_ranker_drafts_only_at_the_answers_decision_points(tiny_model, monke
         other = CacheView.from_cache(cache, [4, 4], phase=phase, model=tiny_model, token_ids=torch.tensor(ids))
         assert asking.decide(other).device[:, 2].all() == (phase == "question")
     assert calls == [("decode", 4, 2), ("question", 4, 1)]
+    live = make_controller("ranker:policies/ranker_smollm2.pt,lookahead=4,lookahead_question=true,"
+                           "question_draft_live=true,merge=false")
+    live.scores = plain.scores
+    for phase in ("question", "decode"):  # only the question's draft reads every live block
+        live.decide(CacheView.from_cache(cache, [4, 4], phase=phase, model=tiny_model, token_ids=torch.tensor(ids)))
+    assert calls[-2:] == [("question", 4, 1, "live"), ("decode", 4, 1)]
+    with pytest.raises(ValueError, match="lookahead_question=true"):
+        make_controller("ranker:policies/ranker_smollm2.pt,lookahead=4,question_draft_live=true")
     for bad in ("lookahead=-1", "lookahead=1.5", "lookahead=65", "lookahead_rounds=0", "lookahead_rounds=5"):
         with pytest.raises(ValueError, match="lookahead"):
             make_controller(f"ranker:policies/ranker_smollm2.pt,{bad}")

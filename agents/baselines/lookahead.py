@@ -33,6 +33,7 @@ import torch
 from cache.controller import CacheView, Decision
 from cache.copies import resident_copy
 from cache.ranking import keep_top
+from cache.tiers import Tier
 
 MAX_TOKENS = 64
 MAX_ROUNDS = 4
@@ -43,12 +44,17 @@ NOT_A_BASE = ("lookahead", "oracle", "full")  # a base must decide causally, and
 def draft_queries(view: CacheView, tokens: int, chosen: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int]:
     """``([heads, tokens, dim] per layer, first position)``: the queries of the newest token (fed again) and of
     ``tokens - 1`` tokens greedily drafted after it on a copy of the device blocks (``chosen``, ``[L, N]`` bool:
-    of these blocks instead)."""
+    of these blocks instead, those off the device read where they lie and counted in ``bytes_moved`` as
+    ``host->host-attention``)."""
     if view.model is None or view.token_ids is None or view.seen == 0:
         raise ValueError("lookahead: the decision point carries no model or tokens to draft with")
     model = view.model
     device = next(model.parameters()).device
     copy, _ = resident_copy(view, tokens + 1, drop_newest=1, chosen=chosen)
+    if chosen is not None:  # the chosen blocks off the device are read where they lie, once (host-side attention)
+        cache = view.cache
+        off_device = int((chosen & (view.tier != Tier.DEVICE)).sum())
+        cache.bytes_moved[("host", "host-attention")] += off_device * cache.device_pool(0).bytes_per_block
     token, position = int(view.token_ids.flatten()[-1]), view.seen - 1
     queries: list[list[torch.Tensor]] = [[] for _ in range(view.num_layers)]
     for _ in range(tokens):
@@ -61,13 +67,17 @@ def draft_queries(view: CacheView, tokens: int, chosen: torch.Tensor | None = No
     return [torch.stack(by_layer, dim=1) for by_layer in queries], view.seen - 1
 
 
-def lookahead_scores(view: CacheView, tokens: int, rounds: int = 1) -> torch.Tensor:
+def lookahead_scores(view: CacheView, tokens: int, rounds: int = 1, live: bool = False) -> torch.Tensor:
     """``[L, N]``: each live block's attention share from the drafted queries (max over query heads, mean over
     the drafted tokens); 0 for the others. Each round after the first drafts again on the device set the previous
-    round's scores choose (the blocks a draft on the device blocks alone could not read, fetched for the next)."""
+    round's scores choose (the blocks a draft on the device blocks alone could not read, fetched for the next).
+    ``live``: the first round drafts on every live block (offloaded ones read where they lie), not the device's."""
     share = None
     for _ in range(rounds):
-        chosen = None if share is None else torch.from_numpy(keep_top(view, share.numpy()).device)
+        if share is None:
+            chosen = view.live_blocks if live else None
+        else:
+            chosen = torch.from_numpy(keep_top(view, share.numpy()).device)
         queries, first = draft_queries(view, tokens, chosen)
         share = view.attention_share(queries, first).amax(dim=-1)
     return share

@@ -12,7 +12,8 @@ instead (one trained for them, e.g. on KVzip's scores: `python -m benchmarks.ran
 tokens drafted ahead on the device blocks (``agents.baselines.lookahead``), the policy's scores breaking ties;
 ``lookahead_rounds``: drafts per such decision, each on the device set the previous one chose; ``lookahead_question``:
 the question's decision point drafts too (the last token read fed again, so the draft's first token stands in for
-the prompt's last one, not yet read); ``question_reread``: the runner re-encodes the question over every live block
+the prompt's last one, not yet read), on every live block with ``question_draft_live`` (host blocks read where they lie,
+once: host-side attention); ``question_reread``: the runner re-encodes the question over every live block
 before the question's decision (``cache.copies.reread_tokens``); ``reread_attention``: the re-read's attention to every
 live block also replaces the streamed question's attention statistics, which only the device blocks had."""
 
@@ -49,6 +50,7 @@ class RankerController:
     lookahead: int = 0
     lookahead_rounds: int = 1  # drafts per such decision, each on the device set the previous one chose
     lookahead_question: bool = False  # the question's decision point drafts too (from the last token read)
+    question_draft_live: bool = False  # that draft reads every live block (host ones where they lie), not the device's
     question_reread: bool = False  # the question re-encoded over every live block before its decision (the runner)
     reread_attention: bool = False  # and its attention to every live block taken as the latest statistics
     _model: object = field(default=None, init=False, repr=False)
@@ -66,6 +68,9 @@ class RankerController:
         check_tokens(self.lookahead, "ranker: lookahead")
         check_rounds(self.lookahead_rounds, "ranker: lookahead_rounds")
         check_reread(self.question_reread, self.reread_attention, "ranker")
+        if self.question_draft_live and not (self.lookahead and self.lookahead_question):
+            raise ValueError("ranker: question_draft_live=true is how the question's draft reads the cache; it needs "
+                             "lookahead=N and lookahead_question=true")
         if self.blind_prefill and not self.blind:
             raise ValueError("ranker: blind_prefill=true needs a blind file (blind=PATH) to make those decisions")
         model, self.summary = load_ranker(self.path)
@@ -81,7 +86,8 @@ class RankerController:
     def decide(self, view: CacheView) -> list[Decision]:
         keep, merge = self.scores(view)
         if self.lookahead and (view.phase == "decode" or (self.lookahead_question and view.phase == "question")):
-            share = lookahead_scores(view, self.lookahead, self.lookahead_rounds).numpy()
+            live = self.question_draft_live and view.phase == "question"
+            share = lookahead_scores(view, self.lookahead, self.lookahead_rounds, live=live).numpy()
             scaled = share / np.maximum(share.max(axis=1, keepdims=True), 1e-12)
             keep = scaled + 1e-3 * within_layer_rank(keep.astype(np.float32), view.live_blocks.numpy())
         stay = self.question_stay if view.phase == "question" and self.question_stay is not None else self.stay
