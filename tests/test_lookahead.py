@@ -155,7 +155,13 @@ def test_the_ranker_drafts_only_at_the_answers_decision_points(tiny_model, monke
 @torch.no_grad()
 def test_lookahead_baseline_is_its_base_but_at_the_answers_decision_points(tiny_model, monkeypatch):
     cache, view, ids, _ = decode_view(tiny_model, host_blocks=8)
-    monkeypatch.setattr(lookahead, "lookahead_scores", lambda view, tokens, rounds: torch.eye(view.num_blocks)[2].repeat(2, 1))
+    drafts = []
+
+    def scores(view, tokens, rounds, live=False):
+        drafts.append((view.phase, live))
+        return torch.eye(view.num_blocks)[2].repeat(2, 1)
+
+    monkeypatch.setattr(lookahead, "lookahead_scores", scores)
     wrapped, base = make_controller("lookahead:tova,tokens=4"), make_controller("tova")
     assert wrapped.decide(view).device[:, 2].all()
     # negative control: TOVA alone sends block 2 away
@@ -163,6 +169,9 @@ def test_lookahead_baseline_is_its_base_but_at_the_answers_decision_points(tiny_
         d.block == 2 for d in base.decide(view))
     question = CacheView.from_cache(cache, [4, 4], phase="question", model=tiny_model, token_ids=torch.tensor(ids))
     assert sorted(wrapped.decide(question)) == sorted(base.decide(question))
+    assert drafts == [("decode", False)]
+    live = make_controller("lookahead:tova,tokens=4,question_draft_live=true")  # the question's decision drafts too
+    assert live.decide(question).device[:, 2].all() and drafts[-1] == ("question", True)
     for spec in ("lookahead:oracle", "lookahead:bogus", "lookahead:tova,tokens=0", "lookahead:tova,stay=-1",
                  "lookahead:tova,rounds=0"):
         with pytest.raises(ValueError, match="lookahead"):

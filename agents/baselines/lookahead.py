@@ -22,7 +22,9 @@ every decision but the answer's; at the answer's decision points (phase ``decode
 blocks and the blocks the draft attends most (``keep_top``, with hysteresis ``stay``), prefetching from the host.
 ``question_reread=true``: the runner re-encodes the question over every live block before the question's decision
 (``cache.copies.reread_tokens``), as for ``ranker:...,question_reread=true``; ``reread_attention=true``: its attention
-to every live block also becomes the latest statistics (the base's question decision reads them)."""
+to every live block also becomes the latest statistics (the base's question decision reads them);
+``question_draft_live=true``: the question's decision is the draft's too, drafted on every live block (offloaded ones
+read where they lie: ``lookahead_scores(live=True)``), as for ``ranker:...,question_draft_live=true``."""
 
 from __future__ import annotations
 
@@ -116,6 +118,7 @@ class Lookahead:
     rounds: int = 1
     question_reread: bool = False  # the question re-encoded over every live block before its decision (the runner)
     reread_attention: bool = False  # and its attention to every live block taken as the latest statistics
+    question_draft_live: bool = False  # the question's decision too: a draft on every live block (module docstring)
     _base: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -137,6 +140,7 @@ class Lookahead:
                 setattr(self, name, getattr(self._base, name))
 
     def decide(self, view: CacheView) -> list[Decision]:
-        if view.phase != "decode":
+        live = self.question_draft_live and view.phase == "question"
+        if view.phase != "decode" and not live:
             return self._base.decide(view)
-        return keep_top(view, lookahead_scores(view, self.tokens, self.rounds).numpy(), stay=self.stay)
+        return keep_top(view, lookahead_scores(view, self.tokens, self.rounds, live=live).numpy(), stay=self.stay)
