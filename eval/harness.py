@@ -51,8 +51,9 @@ Design:
   task's first-position logits are kept in ``references/<sample_hash>.pt`` when the reference first runs
   (``eval.records.save_reference``), so a later run into the folder (another controller, another budget) reads
   them instead of running the full cache again, which halves the cost of adding one controller to a folder; a
-  teacher-forced sample (metric ``kl``, logits at every position) runs the reference again (deterministic). A truncated last line (an interrupted write) is dropped with a warning; any other
-  unreadable line is an error naming it.
+  teacher-forced sample (metric ``kl``, logits at every position) runs the reference again (deterministic). A
+  truncated last line (an interrupted write) is dropped with a warning; any other unreadable line is an error
+  naming it.
 - **Custom samples** (``tasks_file``, or ``dataset`` read through ``datasets``: ``eval.datasets``): one JSON
   object per line (``read_tasks_file``); the task name is the file's stem (a dataset's ``task`` column), ``index`` the sample's position in the file (blank lines skipped), ``length`` the prompt's
   token count rounded up to a power of two (the bucket the tables group by; ``prompt_tokens`` keeps the
