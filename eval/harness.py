@@ -431,16 +431,16 @@ def sample_records(context: _Context, item: _Work, sample, sample_seed_value, ke
     prompt = build_prompt(context.tokenizer, sample, context.chat)
     oracles: dict[str, object] = {}  # one trace per sample, shared by every budget
     saved = references is not None and forced is None
-    reference = None
+    reference, hash_value = None, dict(zip(KEY_FIELDS, keys[0], strict=True))["sample_hash"]
     if saved and all(key[0] != FULL for key in keys):
-        first_logits = load_reference(references, keys[0][6])
+        first_logits = load_reference(references, hash_value)
         reference = None if first_logits is None else _SavedReference([first_logits])
     try:
         context.start_sample(prompt, sample, forced)
         if reference is None:
             reference = context.run(None, None, prompt, sample, forced)
             if saved:
-                save_reference(references, keys[0][6], reference.logits[0])
+                save_reference(references, hash_value, reference.logits[0])
     except ValueError as err:
         raise ValueError(f"{where}, full cache: {err}") from None
     def controller_of(spec, budget):
