@@ -99,9 +99,16 @@ def reread_tokens(view, start: int, attention: bool = False) -> int:
     if attention:
         _take_attention(cache.stats, copy.stats, copied)
     copy.close()
-    off_device = live & (view.tier != Tier.DEVICE)
-    cache.bytes_moved[("host", "host-attention")] += int(off_device.sum()) * cache.device_pool(0).bytes_per_block
+    count_host_reads(view, live)
     return count
+
+
+def count_host_reads(view, blocks: torch.Tensor) -> None:
+    """Count, in ``bytes_moved`` as ``host->host-attention``, one read of each of ``blocks`` (``[L, N]`` bool) that
+    lies off the device: a side computation (the re-read, a draft) read its keys and values where they lie."""
+    cache = view.cache
+    off_device = int((blocks & (view.tier != Tier.DEVICE)).sum())
+    cache.bytes_moved[("host", "host-attention")] += off_device * cache.device_pool(0).bytes_per_block
 
 
 def _take_attention(stats, copy_stats, copied: list[torch.Tensor]) -> None:

@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from cache.controller import CacheView, Decision
-from cache.copies import resident_copy
+from cache.copies import count_host_reads, resident_copy
 from cache.ranking import keep_top
-from cache.tiers import Tier
 
 MAX_TOKENS = 64
 MAX_ROUNDS = 4
@@ -54,9 +53,7 @@ def draft_queries(view: CacheView, tokens: int, chosen: torch.Tensor | None = No
     device = next(model.parameters()).device
     copy, _ = resident_copy(view, tokens + 1, drop_newest=1, chosen=chosen)
     if chosen is not None:  # the chosen blocks off the device are read where they lie, once (host-side attention)
-        cache = view.cache
-        off_device = int((chosen & (view.tier != Tier.DEVICE)).sum())
-        cache.bytes_moved[("host", "host-attention")] += off_device * cache.device_pool(0).bytes_per_block
+        count_host_reads(view, chosen)
     token, position = int(view.token_ids.flatten()[-1]), view.seen - 1
     queries: list[list[torch.Tensor]] = [[] for _ in range(view.num_layers)]
     for _ in range(tokens):
