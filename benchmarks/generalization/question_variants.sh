@@ -22,7 +22,7 @@ case "${2:-validation}" in
   heldout) SPLIT="--seed 7 --n 30 --family-split heldout"; FULL=results/generalization/heldout_stream_2k_plain_samples.jsonl.gz ;;
 esac
 OUT=out/${2:-validation}_question_$1
-mkdir -p $OUT
-[ -s $OUT/samples.jsonl ] || zcat $FULL | grep '"controller": "full"' > $OUT/samples.jsonl
+. benchmarks/seed_full.sh
+seed_full $OUT $FULL
 kvgym eval --no-plots --lengths 2048 --protocol streaming --no-chat --host-blocks 512 --batch-runs --budgets 0.125,0.25 \
   $SPLIT --out $OUT --controllers "$POLICY"

@@ -9,10 +9,10 @@ POLICY="ranker:policies/ranker_smollm2.pt,stay=2,question_stay=0,lookahead=8,que
 S="kvgym eval --no-plots --lengths 4096 --protocol streaming --no-chat --host-blocks 512 --batch-runs --seed 7 --n 30"
 S="$S --family-split heldout --budgets 0.125,0.25"
 FULL=results/generalization/heldout_stream_4k_plain/samples.jsonl.gz
-seeded() { mkdir -p "$1"; [ -s "$1/samples.jsonl" ] || zcat "$FULL" | grep '"controller": "full"' > "$1/samples.jsonl"; }
+. benchmarks/seed_full.sh
 case "${1:-policy}" in
-  policy) seeded out/heldout4k_reread; $S --out out/heldout4k_reread --controllers "$POLICY" ;;
-  heuristics) seeded out/heldout4k_reread_heuristics
+  policy) seed_full out/heldout4k_reread $FULL; $S --out out/heldout4k_reread --controllers "$POLICY" ;;
+  heuristics) seed_full out/heldout4k_reread_heuristics $FULL
     $S --out out/heldout4k_reread_heuristics \
       --controllers lookahead:snapkv,question_reread=true ;;
 esac

@@ -10,7 +10,7 @@ OUT=out/heldout_chat_reread BUDGETS=0.125,0.25
 if [ "${1:-policy}" = heuristic ]; then
   POLICY="lookahead:snapkv,question_reread=true" OUT=out/heldout_chat_reread_snapkv_$2 BUDGETS=$2
 fi
-mkdir -p $OUT
-[ -s $OUT/samples.jsonl ] || zcat results/generalization/heldout_stream_2k_chat/samples.jsonl.gz | grep '"controller": "full"' > $OUT/samples.jsonl
+. benchmarks/seed_full.sh
+seed_full $OUT results/generalization/heldout_stream_2k_chat/samples.jsonl.gz
 kvgym eval --no-plots --lengths 2048 --protocol streaming --host-blocks 512 --batch-runs --seed 7 --n 30 \
   --family-split heldout --budgets $BUDGETS --out $OUT --controllers "$POLICY"

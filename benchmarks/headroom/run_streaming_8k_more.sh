@@ -7,8 +7,8 @@
 set -euo pipefail
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 TQDM_DISABLE=1
 OUT=${OUT:-out/headroom_8k_streaming_more}
-mkdir -p $OUT
-[ -s $OUT/samples.jsonl ] || zcat results/headroom_8k_streaming/samples.jsonl.gz | grep '"controller": "full"' > $OUT/samples.jsonl
+. benchmarks/seed_full.sh
+seed_full $OUT results/headroom_8k_streaming/samples.jsonl.gz
 POLICY=ranker:policies/ranker_smollm2.pt,stay=2,question_stay=0
 for cell in "passkey,niah_single 0.03125" "passkey 0.0625"; do
   set -- $cell
