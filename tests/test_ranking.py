@@ -676,6 +676,28 @@ def test_ranker_controller_decides_everything_itself(tiny_model, tmp_path, proto
     assert all(device <= 5 for device in result.blocks_per_tier["device"])
 
 
+def test_ranker_with_a_pyramid_keeps_each_layer_within_its_share(tiny_model, tmp_path):
+    """``pyramid_beta`` > 1: the run's layer budgets are PyramidKV's pyramid of the same total, and every decision
+    keeps each layer within its own share; the default split is even (negative control); beta < 1 is refused."""
+    from agents.baselines.base import pyramid_split
+
+    path = save_ranker(BlockScorer(hidden=8), tmp_path / "r.pt")
+    results = {}
+    for beta in (1.0, 20.0):
+        checked = Checked(RankerController(str(path), pyramid_beta=beta))
+        runner = Runner(tiny_model, controller=checked, budget=5, prefill_chunk=32, decide_every=3,
+                        cache_config=CacheConfig(host_blocks=64), protocol="streaming", decode_budget="fixed")
+        results[beta] = runner.run(PROMPT, max_new_tokens=24, stop_at_eos=False)
+        assert checked.calls > 0 and results[beta].fallbacks == 0
+        assert all(device <= budget for device, budget in zip(results[beta].blocks_per_tier["device"],
+                                                              results[beta].budget_blocks, strict=True))
+    assert results[1.0].budget_blocks == [5, 5]
+    assert results[20.0].budget_blocks == pyramid_split([5, 5], 20.0) == [8, 2]
+    for beta in (0.5, float("nan"), 1e4):
+        with pytest.raises(ValueError, match="pyramid_beta"):
+            RankerController(str(path), pyramid_beta=beta)
+
+
 def test_ranker_shows_a_question_blind_compression_as_its_blind_phase(tiny_model, tmp_path):
     path = save_ranker(BlockScorer(hidden=8), tmp_path / "r.pt")
     cache, _ = view_after_prefill(tiny_model)

@@ -15,7 +15,9 @@ the question's decision point drafts too (the last token read fed again, so the 
 the prompt's last one, not yet read), on every live block with ``question_draft_live`` (host blocks read where they lie,
 once: host-side attention); ``question_reread``: the runner re-encodes the question over every live block
 before the question's decision (``cache.copies.reread_tokens``); ``reread_attention``: the re-read's attention to every
-live block also replaces the streamed question's attention statistics, which only the device blocks had."""
+live block also replaces the streamed question's attention statistics, which only the device blocks had.
+``pyramid_beta`` > 1: the layers' budgets follow PyramidKV's linear pyramid of that steepness (the same total, most
+in layer 0; ``agents.baselines.base.pyramid_split``) instead of an even split: a hand-set allocation across layers."""
 
 from __future__ import annotations
 
@@ -23,12 +25,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from agents.baselines.base import pyramid_split
 from agents.baselines.lookahead import check_reread, check_rounds, check_tokens, lookahead_scores
 from agents.ranker.model import load_ranker
 from cache.controller import CacheView, Decision
 from cache.ranking import check_blind_phase, keep_top, policy_features, within_layer_rank
 
 MAX_STAY = 100.0  # beyond this every resident block outranks every other: the ranking stops mattering
+MAX_PYRAMID_BETA = 1000.0  # beyond this the top layers keep their pinned blocks alone at any budget
 
 
 @dataclass
@@ -53,6 +57,7 @@ class RankerController:
     question_draft_live: bool = False  # that draft reads every live block (host ones where they lie), not the device's
     question_reread: bool = False  # the question re-encoded over every live block before its decision (the runner)
     reread_attention: bool = False  # and its attention to every live block taken as the latest statistics
+    pyramid_beta: float = 1.0  # > 1: layer budgets in PyramidKV's pyramid of this steepness (1: an even split)
     _model: object = field(default=None, init=False, repr=False)
     _blind_model: object = field(default=None, init=False, repr=False)
 
@@ -68,6 +73,10 @@ class RankerController:
         check_tokens(self.lookahead, "ranker: lookahead")
         check_rounds(self.lookahead_rounds, "ranker: lookahead_rounds")
         check_reread(self.question_reread, self.reread_attention, "ranker")
+        if not 1.0 <= self.pyramid_beta <= MAX_PYRAMID_BETA:  # also refuses NaN
+            raise ValueError(f"ranker: pyramid_beta={self.pyramid_beta!r} is outside 1..{MAX_PYRAMID_BETA:g} (the "
+                             "pyramid's steepness: the last layer keeps 1/beta of the mean budget; 1 = an even split, "
+                             "20 = PyramidKV's)")
         if self.question_draft_live and not (self.lookahead and self.lookahead_question):
             raise ValueError("ranker: question_draft_live=true is how the question's draft reads the cache; it needs "
                              "lookahead=N and lookahead_question=true")
@@ -76,6 +85,10 @@ class RankerController:
         model, self.summary = load_ranker(self.path)
         self._model = model.inference()
         self._blind_model = load_ranker(self.blind)[0].inference() if self.blind else self._model
+
+    def layer_budgets(self, budget: list[int]) -> list[int]:
+        """Each layer's share of the run's per-layer ``budget`` (the runner asks once per run)."""
+        return pyramid_split(budget, self.pyramid_beta) if self.pyramid_beta > 1 else list(budget)
 
     def scores(self, view: CacheView) -> tuple[np.ndarray, np.ndarray]:
         """``[L, N]`` keep scores and merge logits of every block."""
